@@ -1,0 +1,290 @@
+"""Placement: which expert lives in which tier. The one truth for hit rates.
+
+The replay simulator and the live store both call ``TieredPlacement.access`` with the experts one
+layer needs in one step, then ``prefetch``; neither decides residency any other way.
+
+Semantics (kept exact so results compare with independent implementations):
+- For each step and each layer in order, the needed experts are the union over the step's tokens
+  (a *group*), in ascending expert order.
+- Needed experts already resident are hits and are refreshed first (``on_hit``). Each missing
+  one is loaded, evicting - by the policy - a resident expert not needed by this step and layer.
+- If a group needs more experts than its pool holds, the layer runs in *waves*: the resident
+  hits plus as many misses as fit form wave 1; each later wave loads up to ``capacity`` more
+  misses, evicting experts the layer has already computed. Every needed expert is still counted
+  once, as a hit or a miss; the number of waves is reported.
+- Tiers are inclusive: the host tier holds everything the device tier holds (a host eviction of
+  a device-resident expert also drops the device copy), the disk tier holds every expert.
+- Pools: scope ``layer`` gives each layer its own pool of C slots; ``global`` one pool of C slots.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .keys import SCOPES
+from .policies import EvictionPolicy
+
+_EMPTY: tuple = ()
+
+
+class Pool:
+    """One tier's slots for one scope unit: a resident set of at most ``capacity`` keys."""
+
+    __slots__ = ("capacity", "policy", "resident", "clears_each_step")
+
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
+        if capacity < 1:
+            raise ValueError(f"a pool needs at least 1 slot, got {capacity}")
+        self.capacity = capacity
+        self.policy = policy
+        self.resident: set = set()
+        self.clears_each_step = policy.clears_each_step
+
+    def _make_room(self, n_new: int, protected) -> list:
+        over = len(self.resident) + n_new - self.capacity
+        if over <= 0:
+            return []
+        ev = self.policy.evict(over, protected)
+        if len(ev) != over:  # cannot happen while groups are split into waves
+            raise RuntimeError(f"policy {self.policy.name} found {len(ev)} of {over} evictable experts")
+        self.resident.difference_update(ev)
+        return ev
+
+    def access(self, keys: Sequence[int], t: int, aux=None, detail: bool = True):
+        """Demand access of one group. Returns (n_hits, misses, evicted, waves); ``misses`` is
+        the list of loaded keys, or None when ``detail`` is off and the policy's fast path ran."""
+        res = self.resident
+        policy = self.policy
+        cap = self.capacity
+        if len(keys) <= cap and policy.group_access is not None:
+            misses = [k for k in keys if k not in res] if detail else None
+            n_hits, evicted = policy.group_access(self, keys, t)
+            return n_hits, misses, evicted, 1
+        hits = [k for k in keys if k in res]
+        if len(hits) == len(keys):
+            if hits:
+                policy.on_hit(hits, t, aux)
+            return len(hits), [], _EMPTY, 1
+        misses = [k for k in keys if k not in res]
+        if aux is not None:
+            aux_h = [a for k, a in zip(keys, aux) if k in res]
+            aux_m = [a for k, a in zip(keys, aux) if k not in res]
+        else:
+            aux_h = aux_m = None
+        if hits:
+            policy.on_hit(hits, t, aux_h)
+        if len(keys) <= cap:
+            evicted = _EMPTY
+            over = len(res) + len(misses) - cap
+            if over > 0:
+                # A short group is searched as a list: cheaper than building a set for it.
+                evicted = policy.evict(over, keys if len(keys) <= 16 else set(keys))
+                if len(evicted) != over:
+                    raise RuntimeError(f"policy {policy.name} found {len(evicted)} of {over} evictable experts")
+                res.difference_update(evicted)
+            res.update(misses)
+            policy.on_insert(misses, t, aux_m)
+            return len(hits), misses, evicted, 1
+        # Waves: the group does not fit in the pool.
+        evicted = []
+        first = cap - len(hits)
+        chunks = [(misses[:first], hits + misses[:first])] if first > 0 else []
+        for i in range(max(first, 0), len(misses), cap):
+            chunks.append((misses[i:i + cap], misses[i:i + cap]))
+        off = 0
+        for new, protected in chunks:
+            evicted.extend(self._make_room(len(new), set(protected)))
+            res.update(new)
+            policy.on_insert(new, t, None if aux_m is None else aux_m[off:off + len(new)])
+            off += len(new)
+        return len(hits), misses, evicted, len(chunks) + (1 if first <= 0 else 0)
+
+    def prefetch(self, keys: Sequence[int], t: int, protected: set):
+        """Load keys not resident, never evicting ``protected`` or each other. Returns (inserted, evicted)."""
+        res = self.resident
+        new = [k for k in keys if k not in res]
+        if not new:
+            return _EMPTY, _EMPTY
+        evicted = _EMPTY
+        free = self.capacity - len(res)
+        if free < len(new):
+            guard = protected.union(keys)
+            evicted = self.policy.evict(len(new) - free, guard)
+            res.difference_update(evicted)
+            new = new[: free + len(evicted)]
+        res.update(new)
+        self.policy.on_insert(new, t, None)
+        return new, evicted
+
+    def remove(self, key: int) -> bool:
+        if key in self.resident:
+            self.resident.discard(key)
+            self.policy.forget(key)
+            return True
+        return False
+
+    def clear(self) -> list:
+        gone = list(self.resident)
+        for k in gone:
+            self.policy.forget(k)
+        self.resident.clear()
+        return gone
+
+
+class TieredPlacement:
+    """Device (HBM) and host (pinned DRAM) pools over a disk tier that holds everything.
+
+    ``host_slots=None`` means the host tier holds every expert (the usual single-node set-up:
+    the whole model fits in DRAM) and the disk tier is never read.
+    """
+
+    def __init__(self, *, num_layers: int, num_experts: int, scope: str,
+                 device_slots: int, host_slots: "int | None",
+                 policy_factory: Callable[[], EvictionPolicy],
+                 host_policy_factory: "Callable[[], EvictionPolicy] | None" = None) -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
+        self.num_layers, self.num_experts, self.scope = num_layers, num_experts, scope
+        self.device_slots, self.host_slots = device_slots, host_slots
+        if host_slots is not None and host_slots < device_slots:
+            raise ValueError(f"host capacity ({host_slots} slots) is below device capacity "
+                             f"({device_slots} slots); tiers are inclusive, the host must hold at least the device's experts")
+
+        def pools(slots, factory):
+            if scope == "layer":
+                return [Pool(slots, factory()) for _ in range(num_layers)]
+            return [Pool(slots, factory())] * num_layers  # one shared pool, indexed by layer
+
+        self.device = pools(device_slots, policy_factory)
+        full = host_slots is None or (host_slots >= (num_experts if scope == "layer" else num_layers * num_experts))
+        self.host = None if full else pools(host_slots, host_policy_factory or policy_factory)
+        self.pending: set = set()  # prefetched into the device, not yet used
+        self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = 0
+        self.prefetch_from_disk = 0
+        self.back_invalidations = 0
+        self.device_evictions = self.host_evictions = 0
+
+    def unique_pools(self, tier: str = "device") -> list:
+        pools = self.device if tier == "device" else (self.host or [])
+        seen, out = set(), []
+        for p in pools:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def warm_start(self) -> int:
+        """Fill pools whose policy asks for it (static). Returns experts loaded."""
+        n = 0
+        E = self.num_experts
+        for tier in ("host", "device"):
+            pools = self.device if tier == "device" else self.host
+            if not pools:
+                continue
+            if self.scope == "layer":
+                groups = [(pools[l], range(l * E, (l + 1) * E)) for l in range(self.num_layers)]
+            else:
+                groups = [(pools[0], range(self.num_layers * E))]
+            for pool, keys in groups:
+                init = pool.policy.initial_residents(keys, pool.capacity)
+                if init:
+                    pool.resident.update(init)
+                    pool.policy.on_insert(init, 0, None)
+                    n += len(init) if tier == "device" else 0
+        return n
+
+    def end_step(self) -> None:
+        for p in self.unique_pools("device"):
+            if p.clears_each_step:
+                gone = p.clear()
+                self.device_evictions += len(gone)
+                self._note_evicted(gone)
+
+    def _note_evicted(self, evicted) -> None:
+        if self.pending:
+            pend = self.pending
+            for k in evicted:
+                if k in pend:
+                    pend.discard(k)
+                    self.prefetch_wasted += 1
+
+    def access(self, layer: int, keys: Sequence[int], t: int, aux=None):
+        """Demand access of one group. Returns (device_hits, host_hits, disk_loads, waves, prefetch_used)."""
+        n_hits, _, evicted, waves = self.device[layer].access(keys, t, aux, False)
+        used = 0
+        if self.pending:
+            # A pending prefetch still pending is still resident (evictions drop it from pending).
+            pend = self.pending
+            got = pend.intersection(keys)
+            if got:
+                used = len(got)
+                pend.difference_update(got)
+                self.prefetch_used += used
+        if evicted:
+            self.device_evictions += len(evicted)
+            self._note_evicted(evicted)
+        if self.host is None:
+            return n_hits, len(keys) - n_hits, 0, waves, used
+        _, hmiss, hev, _ = self.host[layer].access(keys, t, aux, True)
+        if hev:
+            self.host_evictions += len(hev)
+            self._back_invalidate(hev)
+        return n_hits, len(keys) - n_hits - len(hmiss), len(hmiss), waves, used
+
+    def access_detail(self, layer: int, keys: Sequence[int], t: int, aux=None) -> dict:
+        """Like ``access`` but names the experts: for the live store, which must move them.
+        Returns misses (to bring to the device), from_disk (of those, not on the host), and the
+        keys evicted from each tier."""
+        dev = self.device[layer]
+        n_hits, misses, evicted, waves = dev.access(keys, t, aux, True)
+        used = 0
+        if self.pending:
+            got = self.pending.intersection(keys)
+            used = len(got)
+            self.pending.difference_update(got)
+            self.prefetch_used += used
+        self.device_evictions += len(evicted)
+        self._note_evicted(evicted)
+        from_disk, host_evicted = [], []
+        if self.host is not None:
+            _, from_disk, host_evicted, _ = self.host[layer].access(keys, t, aux, True)
+            if host_evicted:
+                self.host_evictions += len(host_evicted)
+                self._back_invalidate(host_evicted)
+        return {"hits": n_hits, "misses": misses, "from_disk": from_disk, "device_evicted": list(evicted),
+                "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used}
+
+    def _back_invalidate(self, host_evicted) -> None:
+        E = self.num_experts
+        dev = self.device
+        gone = [k for k in host_evicted if dev[k // E].remove(k)]
+        if gone:
+            self.back_invalidations += len(gone)
+            self.device_evictions += len(gone)
+            self._note_evicted(gone)
+
+    def prefetch(self, layer: int, keys: Sequence[int], t: int, protected: set):
+        """Bring predicted experts of ``layer`` to the device. Returns (from_host, from_disk)."""
+        ins, ev = self.device[layer].prefetch(keys, t, protected)
+        if ev:
+            self.device_evictions += len(ev)
+            self._note_evicted(ev)
+        if not ins:
+            return 0, 0
+        self.prefetch_issued += len(ins)
+        self.pending.update(ins)
+        if self.host is None:
+            return len(ins), 0
+        hp = self.host[layer]
+        # Inclusive: what reaches the device must be on the host; those not there come from disk.
+        from_disk = [k for k in ins if k not in hp.resident]
+        if from_disk:
+            hins, hev = hp.prefetch(from_disk, t, protected.union(ins))
+            if hev:
+                self.host_evictions += len(hev)
+                self._back_invalidate(hev)
+            # Anything the host could not take cannot stay on the device either.
+            for k in set(from_disk) - set(hins):
+                self.device[layer].remove(k)
+                self.pending.discard(k)
+        self.prefetch_from_disk += len(from_disk)
+        return len(ins) - len(from_disk), len(from_disk)

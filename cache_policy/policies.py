@@ -1,0 +1,331 @@
+"""Eviction policies. Each one decides *which* resident expert leaves; none of them moves bytes.
+
+A policy instance tracks exactly the keys resident in one pool (the pool tells it about every
+insert and removal) and is called once per group - the experts one layer needs in one step -
+never once per token, so the per-call cost is amortised over the group.
+
+Contract (see ``placement.Pool``):
+  on_hit(keys, t, aux)      resident keys needed now; refresh them (called before any load)
+  on_insert(keys, t, aux)   keys just loaded (demand or prefetch)
+  evict(n, protected)       choose up to n tracked keys not in ``protected``, forget and return them
+  forget(key)               key removed for another reason (inclusive-tier back-invalidation)
+``t`` is the step index. ``aux`` is a list aligned with ``keys`` carrying what ``wants`` names:
+"weights" (router weight summed over the step's tokens) or "next_use" (group index of the key's
+next need, for Belady), or None.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from typing import Callable, Iterable
+
+INF = float("inf")
+_EMPTY: tuple = ()
+
+
+class EvictionPolicy:
+    name = "base"
+    wants: "str | None" = None
+    clears_each_step = False
+    # Optional whole-group fast path: group_access(pool, keys, t) -> (n_hits, evicted), used when
+    # the group fits in the pool. It must leave the same state as on_hit / evict / on_insert.
+    group_access = None
+
+    def on_hit(self, keys: list, t: int, aux) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def on_insert(self, keys: list, t: int, aux) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def evict(self, n: int, protected) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def forget(self, key: int) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def initial_residents(self, keys: Iterable[int], capacity: int) -> list:
+        """Keys to load before the first step (warm start). Only `static` has any."""
+        return []
+
+
+class LRU(EvictionPolicy):
+    """Least recently used, on an OrderedDict (C-level move-to-end and pop-front).
+
+    Hits are refreshed first (in the group's ascending order), so the front of the order is
+    never needed by the current group when the misses are loaded (in ascending order) after it.
+    """
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self.order = OrderedDict()   # resident keys, least recent first
+
+    def group_access(self, pool, keys, t):
+        od = self.order
+        mte = od.move_to_end
+        n_hits = 0
+        for k in keys:
+            if k in od:
+                mte(k)
+                n_hits += 1
+        if n_hits == len(keys):
+            return n_hits, _EMPTY
+        over = len(od) + len(keys) - n_hits - pool.capacity
+        res = pool.resident
+        if over > 0:
+            pop = od.popitem
+            evicted = []
+            for _ in range(over):
+                evicted.append(pop(False)[0])
+            res.difference_update(evicted)
+        else:
+            evicted = _EMPTY
+        for k in keys:
+            if k not in od:
+                od[k] = None
+        res.update(keys)
+        return n_hits, evicted
+
+    def on_hit(self, keys, t, aux):
+        mte = self.order.move_to_end
+        for k in keys:
+            mte(k)
+
+    def on_insert(self, keys, t, aux):
+        od = self.order
+        for k in keys:
+            od[k] = None
+
+    def evict(self, n, protected):
+        od = self.order
+        out = []
+        for k in od:
+            if k not in protected:
+                out.append(k)
+                if len(out) == n:
+                    break
+        for k in out:
+            del od[k]
+        return out
+
+    def forget(self, key):
+        self.order.pop(key, None)
+
+
+class _ScoreHeap(EvictionPolicy):
+    """Evict the lowest score first. A lazy min-heap over resident keys: stale entries (the key
+    was re-scored or left) are skipped when popped, so a score change costs one push."""
+
+    keep_history = False  # keep scores of keys that left (bounded by the number of experts)
+
+    def __init__(self) -> None:
+        self.score: dict = {}
+        self.live: set = set()
+        self.heap: list = []
+
+    def _push(self, k, s):
+        self.score[k] = s
+        if k in self.live:
+            heapq.heappush(self.heap, (s, k))
+            if len(self.heap) > 8 * len(self.live) + 256:
+                score = self.score
+                self.heap = [(score[key], key) for key in self.live]
+                heapq.heapify(self.heap)
+
+    def evict(self, n, protected):
+        out, skipped = [], []
+        heap, score, live = self.heap, self.score, self.live
+        while len(out) < n and heap:
+            s, k = heapq.heappop(heap)
+            if k not in live or score.get(k) != s:
+                continue  # stale entry
+            if k in protected:
+                skipped.append((s, k))
+                continue
+            out.append(k)
+            live.discard(k)
+            if not self.keep_history:
+                del score[k]
+        for e in skipped:
+            heapq.heappush(heap, e)
+        return out
+
+    def forget(self, key):
+        self.live.discard(key)
+        if not self.keep_history:
+            self.score.pop(key, None)
+
+
+class _DecayedScore(_ScoreHeap):
+    """score_k(t) = sum over past uses of w * 2^-((t - t_use)/half_life).
+
+    Stored as sum of w * g^(t_use - t0) with g = 2^(1/half_life): multiplying every score by the
+    same decay factor never changes their order, so old popularity fades without touching every
+    key each step. Rescaled before the increments overflow. Scores of experts that left the pool
+    are kept (at most one per expert), so a re-loaded expert keeps its popularity.
+    """
+
+    keep_history = True
+
+    def __init__(self, half_life: float) -> None:
+        super().__init__()
+        if not (half_life > 0 and math.isfinite(half_life)):
+            raise ValueError(f"{self.name}: half-life must be a positive number of steps, got {half_life!r}")
+        self.log_g = math.log(2.0) / half_life
+        self.t0 = 0
+        self._t_cached = None
+        self._inc = 1.0
+
+    def _increment(self, t):
+        if t != self._t_cached:
+            x = (t - self.t0) * self.log_g
+            if x > 600:  # rescale everything by the same factor: order is unchanged
+                f = math.exp(-x)
+                self.score = {k: v * f for k, v in self.score.items()}
+                self.heap = [(self.score[k], k) for k in self.live]
+                heapq.heapify(self.heap)
+                self.t0, x = t, 0.0
+            self._t_cached, self._inc = t, math.exp(x)
+        return self._inc
+
+    def on_hit(self, keys, t, aux):
+        inc = self._increment(t)
+        score, push = self.score, self._push
+        if aux is None:
+            for k in keys:
+                push(k, score.get(k, 0.0) + inc)
+        else:
+            for k, w in zip(keys, aux):
+                push(k, score.get(k, 0.0) + inc * w)
+
+    def on_insert(self, keys, t, aux):
+        self.live.update(keys)
+        if aux is None and self.wants == "weights":
+            # A prefetch: enter with the learned score, do not invent a use.
+            score, push = self.score, self._push
+            for k in keys:
+                push(k, score.get(k, 0.0))
+            return
+        self.on_hit(keys, t, aux)
+
+
+class LFU(_DecayedScore):
+    """Least frequently used, with decay: each use counts 1, halving every `half_life` steps."""
+
+    name = "lfu"
+
+    def __init__(self, half_life: float = 1024.0) -> None:
+        super().__init__(half_life)
+
+
+class Freq(_DecayedScore):
+    """Routing frequency: exponential moving average of each expert's router weight.
+
+    EMA with factor `ema` per step, s <- (1-ema) s + ema * w (w = 0 in steps that do not route
+    to the expert). Without weights in the trace, w is the number of the step's tokens routed
+    to the expert. A prefetched expert enters with the score it has, so an unused prefetch of a
+    cold expert is the first to go.
+    """
+
+    name = "freq"
+    wants = "weights"
+
+    def __init__(self, ema: float = 0.05) -> None:
+        if not 0.0 < ema < 1.0:
+            raise ValueError(f"freq: ema must be in (0, 1), got {ema!r}")
+        super().__init__(half_life=math.log(2.0) / -math.log1p(-ema))
+
+
+class Static(_ScoreHeap):
+    """Pins the hottest experts of a profile (llama.cpp --n-cpu-moe, KTransformers, Fiddler).
+
+    Scores are fixed, from a training trace; the pool is filled with the top experts before the
+    first step. A miss evicts the lowest-scored resident not needed now, so the hottest experts
+    stay and the coldest slots stream - the same as pinning the top-N with N = capacity minus
+    the slots that streaming needs.
+    """
+
+    name = "static"
+
+    def __init__(self, profile: dict) -> None:
+        super().__init__()
+        if not profile:
+            raise ValueError("static: needs a non-empty profile (fit it on a training trace with --fit-trace)")
+        self.profile = profile
+
+    def on_hit(self, keys, t, aux):
+        pass
+
+    def on_insert(self, keys, t, aux):
+        self.live.update(keys)
+        p = self.profile
+        for k in keys:
+            self._push(k, p.get(k, 0.0))
+
+    def initial_residents(self, keys, capacity):
+        p = self.profile
+        ranked = sorted(keys, key=lambda k: (-p.get(k, 0.0), k))
+        return [k for k in ranked[:capacity] if p.get(k, 0.0) > 0]
+
+
+class Belady(_ScoreHeap):
+    """MIN: evict the resident whose next use is farthest in the future. The offline optimum for
+    demand loading; every report shows it as the bound. Needs the future: ``aux`` carries each
+    key's next-use group index; prefetched keys (no aux) ask ``next_use_fn``."""
+
+    name = "belady"
+    wants = "next_use"
+
+    def __init__(self, next_use_fn: "Callable[[int], float] | None" = None) -> None:
+        super().__init__()
+        self.next_use_fn = next_use_fn
+
+    def _set(self, keys, aux):
+        if aux is None:
+            if self.next_use_fn is None:
+                raise ValueError("belady: loaded a key without its next use; belady needs the whole trace")
+            aux = [self.next_use_fn(k) for k in keys]
+        for k, nu in zip(keys, aux):
+            self._push(k, -nu)  # min-heap on -next_use = max next use first
+
+    def on_hit(self, keys, t, aux):
+        self._set(keys, aux)
+
+    def on_insert(self, keys, t, aux):
+        self.live.update(keys)
+        self._set(keys, aux)
+
+
+class NoCache(EvictionPolicy):
+    """Load on demand, keep nothing beyond the current step (the pool clears at each step)."""
+
+    name = "none"
+    clears_each_step = True
+
+    def __init__(self) -> None:
+        self.keys: dict = {}
+
+    def on_hit(self, keys, t, aux):
+        pass
+
+    def on_insert(self, keys, t, aux):
+        self.keys.update(dict.fromkeys(keys))
+
+    def evict(self, n, protected):
+        out = [k for k in self.keys if k not in protected][:n]
+        for k in out:
+            del self.keys[k]
+        return out
+
+    def forget(self, key):
+        self.keys.pop(key, None)
+
+
+POLICIES = {"lru": LRU, "lfu": LFU, "freq": Freq, "static": Static, "belady": Belady, "none": NoCache}
+
+
+def check_policy_name(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return name

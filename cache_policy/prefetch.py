@@ -1,0 +1,203 @@
+"""Prefetchers: predict which experts the next layer will need, so they can move ahead of time.
+
+The caller (replay or the live decode loop) calls, for each (step, layer) in order:
+  observe(layer, experts, weights, t)      what this layer needed (experts: ascending ids)
+  predict(target_layer, experts, budget)   expert ids predicted for ``target_layer``
+The target is layer + 1, and for the last layer, layer 0 of the next step. Predictions are
+only hints: placement decides what is loaded and what it may evict.
+
+``transition`` learns P(expert j at layer l+1 | expert i at layer l) online, or is fitted on a
+training trace (``fit``) and saved to / loaded from a file. ``lookahead`` is the interface the
+live model feeds: it applies layer l+1's router to layer l's hidden state; it has no meaning in
+replay, which has no hidden states. ``oracle`` knows the future (replay only): the bound.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+class Prefetcher:
+    name = "base"
+
+    def observe(self, layer: int, experts, weights, t: int) -> None:
+        pass
+
+    def predict(self, target_layer: int, experts, budget: int) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _top(scores: np.ndarray, budget: int) -> list:
+    """Indices of the `budget` largest positive scores, best first (ties: lower id first)."""
+    pos = np.flatnonzero(scores > 0)
+    if len(pos) > budget:
+        part = pos[np.argpartition(-scores[pos], budget - 1)[:budget]]
+        pos = part
+    order = np.lexsort((pos, -scores[pos]))
+    return pos[order].tolist()
+
+
+class FreqPrefetcher(Prefetcher):
+    """Promotes the hottest experts of the next layer: an EMA of router weight (or token count)
+    per (layer, expert), decayed per step by ``ema``."""
+
+    name = "freq"
+
+    def __init__(self, num_layers: int, num_experts: int, ema: float = 0.05) -> None:
+        if not 0.0 < ema < 1.0:
+            raise ValueError(f"freq prefetcher: ema must be in (0, 1), got {ema!r}")
+        self.scores = np.zeros((num_layers, num_experts))
+        self.log_g = -np.log1p(-ema)
+        self.t0 = 0
+
+    def observe(self, layer, experts, weights, t):
+        x = (t - self.t0) * self.log_g
+        if x > 600:
+            self.scores *= np.exp(-x)
+            self.t0, x = t, 0.0
+        self.scores[layer, experts] += np.exp(x) * (1.0 if weights is None else np.asarray(weights))
+
+    def predict(self, target_layer, experts, budget):
+        return _top(self.scores[target_layer], budget)
+
+
+class TransitionPrefetcher(Prefetcher):
+    """P(j at the next layer | i at this layer), summed over this layer's experts.
+
+    counts[l][i, j]: times expert i at layer l was followed by expert j at layer (l+1) % L (for
+    the last layer: layer 0 of the next token). Falls back to popularity for rows never seen.
+    """
+
+    name = "transition"
+
+    def __init__(self, num_layers: int, num_experts: int, online: bool = True) -> None:
+        self.L, self.E = num_layers, num_experts
+        self.counts = np.zeros((num_layers, num_experts, num_experts))  # counts: [L, E, E]
+        self.popularity = np.zeros((num_layers, num_experts))
+        self.online = online
+        self._prev: "tuple[int, np.ndarray] | None" = None
+
+    def observe(self, layer, experts, weights, t):
+        experts = np.asarray(experts)
+        if self.online:
+            self.popularity[layer, experts] += 1
+            if self._prev is not None and (self._prev[0] + 1) % self.L == layer:
+                pl, pe = self._prev
+                self.counts[pl][np.ix_(pe, experts)] += 1
+        self._prev = (layer, experts)
+
+    def predict(self, target_layer, experts, budget):
+        src = (target_layer - 1) % self.L
+        rows = self.counts[src][np.asarray(experts)]          # rows: [n, E]
+        tot = rows.sum(1, keepdims=True)
+        scores = (rows / np.maximum(tot, 1.0)).sum(0)
+        pred = _top(scores, budget)
+        if len(pred) < budget:
+            pop = self.popularity[target_layer].copy()
+            pop[pred] = 0
+            pred += _top(pop, budget - len(pred))
+        return pred
+
+    def fit(self, trace) -> "TransitionPrefetcher":
+        """Count per-token transitions in a training trace (vectorised)."""
+        if trace.num_layers != self.L or trace.num_experts != self.E:
+            raise ValueError(f"transition fit: trace {trace.source} has {trace.num_layers} layers x "
+                             f"{trace.num_experts} experts, the prefetcher {self.L} x {self.E}")
+        ids = trace.ids.astype(np.int64)   # ids: [T, L, k]
+        E = self.E
+        for l in range(self.L):
+            if l + 1 < self.L:
+                a, b = ids[:, l, :], ids[:, l + 1, :]
+            else:  # last layer -> layer 0 of the next token of the same sequence
+                nxt = np.ones(len(ids), dtype=bool)
+                nxt[trace.seq_offsets[1:] - 1] = False
+                a, b = ids[nxt][:, l, :], ids[np.flatnonzero(nxt) + 1][:, 0, :]
+            pair = (a[:, :, None] * E + b[:, None, :]).reshape(-1)
+            self.counts[l] += np.bincount(pair, minlength=E * E).reshape(E, E)
+            self.popularity[l] += np.bincount(ids[:, l, :].reshape(-1), minlength=E)
+        return self
+
+    def save(self, path: str) -> None:
+        np.savez_compressed(path, counts=self.counts, popularity=self.popularity,
+                            num_layers=self.L, num_experts=self.E)
+
+    @staticmethod
+    def load(path: str, online: bool = True) -> "TransitionPrefetcher":
+        if not os.path.exists(path):
+            raise ValueError(f"transition model file {path!r} does not exist")
+        try:
+            z = np.load(path, allow_pickle=False)
+            L, E = int(z["num_layers"]), int(z["num_experts"])
+            counts, pop = z["counts"], z["popularity"]
+        except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
+            raise ValueError(f"{path}: not a transition model saved by tiered-moe ({e})") from None
+        if counts.shape != (L, E, E) or pop.shape != (L, E):
+            raise ValueError(f"{path}: counts shape {counts.shape} / popularity {pop.shape} do not match {L} layers x {E} experts")
+        p = TransitionPrefetcher(L, E, online=online)
+        p.counts, p.popularity = counts.astype(np.float64), pop.astype(np.float64)
+        return p
+
+
+class GateLookaheadPrefetcher(Prefetcher):
+    """Applies layer l+1's router to layer l's output hidden state (the live model supplies
+    ``gate_fn(target_layer, hidden) -> scores [tokens, E]`` and calls ``set_hidden``)."""
+
+    name = "lookahead"
+
+    def __init__(self, gate_fn) -> None:
+        if gate_fn is None:
+            raise ValueError("prefetch 'lookahead' needs hidden states from a running model "
+                             "(tiered-moe generate / regimes --model); replay has none: use freq, transition or oracle")
+        self.gate_fn = gate_fn
+        self.hidden = None
+
+    def set_hidden(self, hidden) -> None:
+        self.hidden = hidden
+
+    def predict(self, target_layer, experts, budget):
+        if self.hidden is None:
+            return []
+        scores = np.asarray(self.gate_fn(target_layer, self.hidden), dtype=np.float64)  # scores: [tokens, E]
+        if scores.ndim == 1:
+            scores = scores[None, :]
+        # The union over tokens of each token's top choices, ranked by best score.
+        return _top(scores.max(0) - scores.min() + 1e-9, budget)
+
+
+class OraclePrefetcher(Prefetcher):
+    """Knows the next group (replay only): the upper bound for any prefetcher."""
+
+    name = "oracle"
+
+    def __init__(self) -> None:
+        self.future = None  # set by replay: callable(target_layer) -> list of expert ids
+
+    def predict(self, target_layer, experts, budget):
+        nxt = self.future(target_layer) if self.future else []
+        return list(nxt)[:budget]
+
+
+PREFETCHERS = ("none", "freq", "transition", "lookahead", "oracle")
+
+
+def make_prefetcher(name: str, *, num_layers: int, num_experts: int, fit_trace=None,
+                    model_path: "str | None" = None, gate_fn=None, ema: float = 0.05) -> "Prefetcher | None":
+    if name not in PREFETCHERS:
+        raise ValueError(f"unknown prefetcher {name!r}; choose one of {', '.join(PREFETCHERS)}")
+    if name == "none":
+        return None
+    if name == "freq":
+        return FreqPrefetcher(num_layers, num_experts, ema=ema)
+    if name == "transition":
+        if model_path:
+            p = TransitionPrefetcher.load(model_path)
+            if (p.L, p.E) != (num_layers, num_experts):
+                raise ValueError(f"{model_path}: transition model is {p.L} layers x {p.E} experts, "
+                                 f"the trace {num_layers} x {num_experts}")
+            return p
+        p = TransitionPrefetcher(num_layers, num_experts)
+        return p.fit(fit_trace) if fit_trace is not None else p
+    if name == "lookahead":
+        return GateLookaheadPrefetcher(gate_fn)
+    return OraclePrefetcher()

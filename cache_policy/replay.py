@@ -1,0 +1,319 @@
+"""Replay a routing trace through tier placement and report hit rates, bytes and projected speed.
+
+Everything is decided by ``placement.TieredPlacement`` - the same code the live store uses.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import cost_model as cm
+from .keys import SCOPES, Capacity
+from .placement import TieredPlacement
+from .policies import LFU, LRU, Belady, Freq, NoCache, Static, check_policy_name
+from .prefetch import OraclePrefetcher, make_prefetcher
+from .traces import Groups, Trace, build_groups, continuous_batches
+
+
+@dataclass
+class ReplayConfig:
+    policy: str = "lru"
+    scope: str = "global"
+    device_capacity: str = "0.1"
+    host_capacity: "str | None" = None       # None: the host holds every expert
+    prefetch: str = "none"
+    prefetch_budget: "int | None" = None     # experts per layer per step; default top-k
+    profile: str = "h200"
+    dtype: str = "bf16"
+    geometry: "str | None" = None            # expert geometry name; default from the trace's model
+    expert_bytes: "int | None" = None        # overrides geometry x dtype
+    lfu_half_life: float = 1024.0
+    freq_ema: float = 0.05
+    fit_trace: "Trace | None" = field(default=None, repr=False)  # static profile / transition fit
+    transition_model: "str | None" = None
+
+    def __post_init__(self) -> None:
+        check_policy_name(self.policy)
+        if self.scope not in SCOPES:
+            raise ValueError(f"unknown scope {self.scope!r}; choose one of {', '.join(SCOPES)}")
+        self._device = Capacity.parse(self.device_capacity, "--device-capacity")
+        self._host = None if self.host_capacity in (None, "") else Capacity.parse(self.host_capacity, "--host-capacity")
+        make_prefetcher(self.prefetch, num_layers=1, num_experts=1,
+                        gate_fn=(lambda *a: None) if self.prefetch == "lookahead" else None)  # name check only
+        if self.prefetch == "lookahead":
+            raise ValueError("prefetch 'lookahead' needs hidden states from a running model "
+                             "(tiered-moe generate / regimes --model); replay has none: use freq, transition or oracle")
+        if self.prefetch_budget is not None and self.prefetch_budget < 1:
+            raise ValueError(f"--prefetch-budget must be at least 1, got {self.prefetch_budget}")
+        if self.dtype not in cm.DTYPE_BITS:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(cm.DTYPE_BITS)}")
+        if self.geometry is not None and self.geometry not in cm.EXPERT_GEOMETRY:
+            raise ValueError(f"unknown expert geometry {self.geometry!r}; choose one of {', '.join(cm.EXPERT_GEOMETRY)}")
+        if self.expert_bytes is not None and self.expert_bytes < 1:
+            raise ValueError(f"--expert-bytes must be positive, got {self.expert_bytes}")
+        self._profile = cm.load_profile(self.profile)
+
+
+def _expert_size(trace: Trace, cfg: ReplayConfig) -> dict:
+    if cfg.geometry:
+        geo, known = cfg.geometry, True
+    else:
+        geo, known = cm.geometry_for_model(trace.model)
+    hidden, inter = cm.EXPERT_GEOMETRY[geo]
+    params = cm.expert_params(hidden, inter)
+    nbytes = cfg.expert_bytes or cm.expert_bytes(params, cfg.dtype)
+    if cfg.expert_bytes:
+        params = int(round(cfg.expert_bytes * 8 / cm.DTYPE_BITS[cfg.dtype]))
+        src = f"--expert-bytes {cfg.expert_bytes}"
+    elif known:
+        src = f"{geo} expert ({hidden}x{inter} SwiGLU, {cfg.dtype})"
+    else:
+        src = (f"trace model {trace.model!r} has no known geometry: assumed a {geo} expert "
+               f"({hidden}x{inter} SwiGLU, {cfg.dtype}); set --geometry or --expert-bytes")
+    return {"params": params, "bytes": int(nbytes), "source": src}
+
+
+def static_profile(trace: Trace, scope_keys=None) -> dict:
+    """Access counts per flat key on a training trace: the `static` policy's scores."""
+    L, E = trace.num_layers, trace.num_experts
+    flat = (trace.ids.astype(np.int64) + (np.arange(L) * E)[None, :, None]).reshape(-1)
+    counts = np.bincount(flat, minlength=L * E)
+    return {int(k): float(c) for k, c in enumerate(counts) if c > 0}
+
+
+def device_slots_for(trace: Trace, cfg: ReplayConfig, nbytes: int) -> "tuple[int, int | None]":
+    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    dev = cfg._device.slots(scope=cfg.scope, num_layers=L, num_experts=E, expert_bytes=nbytes, flag="--device-capacity")
+    if cfg.scope == "layer" and dev < k:
+        raise ValueError(f"--device-capacity {cfg.device_capacity} gives {dev} slot(s) per layer with scope 'layer', "
+                         f"below top-k = {k}: one token's experts would not fit (minimum {k} per layer, "
+                         f"{k * L} in all)")
+    if dev < 1:
+        raise ValueError(f"--device-capacity {cfg.device_capacity} gives no slot at all (expert size {nbytes} bytes)")
+    host = None
+    if cfg._host is not None:
+        host = cfg._host.slots(scope=cfg.scope, num_layers=L, num_experts=E, expert_bytes=nbytes, flag="--host-capacity")
+        if host < dev:
+            raise ValueError(f"--host-capacity {cfg.host_capacity} gives {host} slots, below the device tier's {dev}; "
+                             f"tiers are inclusive, the host must hold at least what the device holds")
+    return dev, host
+
+
+def make_policy_factory(trace: Trace, cfg: ReplayConfig, future=None):
+    name = cfg.policy
+    if name == "lru":
+        return LRU
+    if name == "lfu":
+        return lambda: LFU(cfg.lfu_half_life)
+    if name == "freq":
+        return lambda: Freq(cfg.freq_ema)
+    if name == "none":
+        return NoCache
+    if name == "static":
+        src = cfg.fit_trace if cfg.fit_trace is not None else trace
+        if (src.num_layers, src.num_experts) != (trace.num_layers, trace.num_experts):
+            raise ValueError(f"--fit-trace {src.source} has {src.num_layers} layers x {src.num_experts} experts, "
+                             f"the replayed trace {trace.num_layers} x {trace.num_experts}")
+        prof = static_profile(src)
+        return lambda: Static(prof)
+    if name == "belady":
+        return lambda: Belady(future)
+    raise AssertionError(name)  # check_policy_name already refused anything else
+
+
+class _Future:
+    """Next use of a key after the current group, for Belady's prefetched keys and the oracle."""
+
+    def __init__(self, groups: Groups) -> None:
+        gid = np.repeat(np.arange(len(groups.ptr) - 1), np.diff(groups.ptr))
+        order = np.lexsort((gid, groups.keys))
+        ks, gs = groups.keys[order], gid[order]
+        cuts = np.flatnonzero(np.diff(ks)) + 1
+        self.by_key = {int(ks[a]): gs[a:b].tolist() for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(ks)])}
+        self.g = 0
+
+    def __call__(self, key: int) -> float:
+        lst = self.by_key.get(key)
+        if not lst:
+            return float("inf")
+        i = bisect.bisect_right(lst, self.g)
+        return lst[i] if i < len(lst) else float("inf")
+
+
+def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) -> dict:
+    t_start = time.perf_counter()
+    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    size = _expert_size(trace, cfg)
+    dev_slots, host_slots = device_slots_for(trace, cfg, size["bytes"])
+    sched = continuous_batches(trace.seq_offsets, batch)
+    groups = build_groups(trace, sched)
+    G = len(groups.ptr) - 1
+    future = _Future(groups) if (cfg.policy == "belady" or cfg.prefetch == "oracle") else None
+    factory = make_policy_factory(trace, cfg, future)
+    host_factory = LRU if cfg.policy == "none" else factory
+    place = TieredPlacement(num_layers=L, num_experts=E, scope=cfg.scope, device_slots=dev_slots,
+                            host_slots=host_slots, policy_factory=factory, host_policy_factory=host_factory)
+    warm = place.warm_start()
+    pf = make_prefetcher(cfg.prefetch, num_layers=L, num_experts=E,
+                         fit_trace=cfg.fit_trace if cfg.prefetch == "transition" else None,
+                         model_path=cfg.transition_model)
+    budget = cfg.prefetch_budget or k
+    wants = factory().wants if cfg.policy != "belady" else "next_use"
+    aux_all = groups.weight if wants == "weights" else (groups.next_use() if wants == "next_use" else None)
+    weights_all = groups.weight if pf is not None else None
+    rec: list = []                # flat, per group: device hits, host hits, disk loads, waves, prefetch used
+    pref = np.zeros((G + 1, 2), dtype=np.int64)   # prefetch loads landing for group g: (from host, from disk)
+    pred = [0, 0, 0]              # predicted & needed, predicted, needed
+    ptr = groups.ptr.tolist()
+    CH = 1 << 16
+    simple = pf is None and place.host is None and cfg.policy != "none"
+    for c0 in range(0, G, CH):
+        c1 = min(G, c0 + CH)
+        pa, pb = ptr[c0], ptr[min(G, c1 + 1)]  # one group beyond, for prefetch scoring
+        keys = groups.keys[pa:pb].tolist()
+        aux = aux_all[pa:pb].tolist() if aux_all is not None else None
+        if simple:
+            _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec)
+        else:
+            wts = weights_all[pa:pb].tolist() if weights_all is not None else None
+            _general(place, pf, future, keys, aux, wts, ptr, pa, c0, c1, G, L, E, budget, rec, pref, pred)
+        if progress is not None:
+            progress(c1, G)
+    pred_hit, pred_n, pred_need = pred
+    wall = time.perf_counter() - t_start
+
+    R = np.array(rec, dtype=np.int64).reshape(G, 5)
+    dev_hits, host_hits, disk, waves, used = R.T
+    pref = pref[:G]
+    sizes = np.diff(groups.ptr)
+    acc = int(sizes.sum())
+    dh, hh, dk = int(dev_hits.sum()), int(host_hits.sum()), int(disk.sum())
+    dev_miss = acc - dh
+    T = trace.num_tokens
+    nbytes, params = size["bytes"], size["params"]
+    per_layer_acc = sizes.reshape(-1, L).sum(0)
+    per_layer_dev = dev_hits.reshape(-1, L).sum(0)
+    per_layer_host = host_hits.reshape(-1, L).sum(0)
+    h2d_experts = dev_miss + int(pref.sum())
+    disk_experts = dk + int(pref[:, 1].sum())
+
+    prof = cfg._profile
+    gid = np.repeat(np.arange(G), sizes)
+    compute = np.bincount(gid, weights=prof.compute_seconds(groups.count, params), minlength=G)
+    demand_h2d = sizes - dev_hits
+    times = cm.project_step_times(profile=prof, params=params, nbytes=nbytes, num_layers=L, compute_s=compute,
+                                  demand_h2d=demand_h2d, demand_disk=disk, pref_h2d=pref.sum(1), pref_disk=pref[:, 1])
+    ideal = compute.reshape(-1, L).sum(1) + prof.non_expert_us_per_layer * 1e-6 * L
+    issued, pused, wasted = place.prefetch_issued, place.prefetch_used, place.prefetch_wasted
+    return {
+        "trace": trace.source, "model": trace.model, "batch": int(batch), "policy": cfg.policy, "scope": cfg.scope,
+        "prefetch": cfg.prefetch, "prefetch_budget": budget if pf is not None else 0,
+        "device_capacity": cfg.device_capacity, "host_capacity": cfg.host_capacity or "all",
+        "device_slots": dev_slots, "host_slots": host_slots if host_slots is not None else L * E if cfg.scope == "global" else E,
+        "slots_are": "per layer" if cfg.scope == "layer" else "in total",
+        "device_fraction": (dev_slots * (L if cfg.scope == "layer" else 1)) / (L * E),
+        "hits": {"device": dh, "host": hh, "disk": dk},
+        "hit_rate": {"device": dh / acc, "host": (hh / dev_miss) if dev_miss else 1.0},
+        "served_from": {"device": dh / acc, "host": hh / acc, "disk": dk / acc},
+        "hit_rate_per_layer": {"device": (per_layer_dev / per_layer_acc).tolist(),
+                               "host": (per_layer_host / np.maximum(per_layer_acc - per_layer_dev, 1)).tolist()},
+        "unique_experts_per_layer_step": acc / G,
+        "mean_batch": float(T / groups.num_steps),
+        "waves": {"groups_over_capacity": int((waves > 1).sum()), "extra_waves": int((waves - 1).sum())},
+        "bytes_per_token": {"host_to_device": h2d_experts * nbytes / T, "disk_to_host": disk_experts * nbytes / T},
+        "experts_moved": {"host_to_device": h2d_experts, "disk_to_host": disk_experts, "warm_start": warm},
+        "evictions": {"device": place.device_evictions, "host": place.host_evictions,
+                      "back_invalidations": place.back_invalidations},
+        "prefetch_stats": {
+            "issued": issued, "used": pused, "wasted": wasted, "unused_at_end": len(place.pending),
+            "wasted_bytes": wasted * nbytes,
+            "precision": (pused / issued) if issued else None,
+            "recall": (pused / (pused + dev_miss)) if (pused + dev_miss) else None,
+            "prediction_precision": (pred_hit / pred_n) if pred_n else None,
+            "prediction_recall": (pred_hit / pred_need) if pred_need else None,
+        },
+        "expert_bytes": nbytes, "expert_params": params, "expert_size_source": size["source"],
+        "profile": prof.name,
+        "projected": {
+            "step_ms_serial": float(times["serial"].mean() * 1e3),
+            "step_ms_overlap": float(times["overlap"].mean() * 1e3),
+            "tokens_per_s_serial": float(T / times["serial"].sum()),
+            "tokens_per_s_overlap": float(T / times["overlap"].sum()),
+            "tokens_per_s_all_resident": float(T / ideal.sum()),
+            "h2d_ms_per_expert": times["h2d_seconds_per_expert"] * 1e3,
+            "h2d_GBps": prof.h2d_GBps(nbytes),
+        },
+        "projected_tokens_per_s": float(T / times["overlap"].sum()),
+        "accesses": acc, "tokens": T, "steps": groups.num_steps,
+        "wall_seconds": wall, "accesses_per_s": acc / wall if wall > 0 else None,
+    }
+
+
+def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
+    """The loop for a device tier over a host that holds everything, without prefetch: the
+    same Pool.access as every other path, without the tier bookkeeping it does not need."""
+    pools = place.device
+    t, layer = divmod(c0, L)
+    out = rec.extend
+    evictions = 0
+    for g in range(c0, c1):
+        a, b = ptr[g] - pa, ptr[g + 1] - pa
+        n_hits, _, ev, waves = pools[layer].access(keys[a:b], t, aux[a:b] if aux is not None else None, False)
+        if ev:
+            evictions += len(ev)
+        out((n_hits, b - a - n_hits, 0, waves, 0))
+        layer += 1
+        if layer == L:
+            layer = 0
+            t += 1
+    place.device_evictions += evictions
+
+
+def _general(place, pf, future, keys, aux, wts, ptr, pa, c0, c1, G, L, E, budget, rec, pref, pred):
+    t, layer = divmod(c0, L)
+    access = place.access
+    out = rec.extend
+    for g in range(c0, c1):
+        a, b = ptr[g] - pa, ptr[g + 1] - pa
+        ks = keys[a:b]
+        out(access(layer, ks, t, aux[a:b] if aux is not None else None))
+        last = layer == L - 1
+        if pf is not None:
+            base = layer * E
+            experts = [x - base for x in ks]
+            pf.observe(layer, experts, wts[a:b], t)
+            if g + 1 < G:
+                target = 0 if last else layer + 1
+                tb = target * E
+                nxt = keys[b:ptr[g + 2] - pa]
+                if future is not None:
+                    future.g = g
+                if isinstance(pf, OraclePrefetcher):
+                    pf.future = lambda _l, nxt=nxt, tb=tb: [x - tb for x in nxt]
+                pk = [tb + x for x in pf.predict(target, experts, budget)]
+                ns = set(nxt)
+                pred[0] += sum(1 for x in pk if x in ns)
+                pred[1] += len(pk)
+                pred[2] += len(ns)
+                if last:
+                    place.end_step()
+                # The group being computed is protected; after the last layer nothing is.
+                pref[g + 1] = place.prefetch(target, pk, t, set() if last else set(ks))
+            elif last:
+                place.end_step()
+        elif last:
+            place.end_step()
+        layer += 1
+        if layer == L:
+            layer = 0
+            t += 1
+
+
+def replay(trace: Trace, cfg: ReplayConfig, batches=(1,), progress=None) -> list:
+    for b in batches:
+        if not isinstance(b, (int, np.integer)) or b < 1:
+            raise ValueError(f"--batch sizes must be positive integers, got {b!r}")
+    return [replay_batch(trace, cfg, int(b), progress=progress) for b in batches]

@@ -1,0 +1,247 @@
+"""The ``tiered-moe`` command.
+
+Replay and trace commands only need ``cache_policy`` (numpy); nothing here imports torch, so
+they start fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cache_policy import cost_model as cm
+from cache_policy.policies import POLICIES
+from cache_policy.prefetch import PREFETCHERS, TransitionPrefetcher
+from cache_policy.replay import ReplayConfig, replay
+from cache_policy.synthetic import GEOMETRIES, SyntheticSpec, generate
+from cache_policy.traces import format_stats, load_trace, trace_stats
+
+
+class CliError(Exception):
+    pass
+
+
+def _batches(text: str) -> list:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--batch: {text!r} is not a comma-separated list of integers (e.g. 1,8,64)") from None
+    if not out or any(b < 1 for b in out):
+        raise CliError(f"--batch: batch sizes must be positive integers, got {text!r}")
+    return out
+
+
+def _add_synthetic_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("synthetic trace (with --synthetic)")
+    g.add_argument("--geometry", default="small", help=f"layers x experts x top-k preset: {', '.join(GEOMETRIES)} (default small)")
+    g.add_argument("--layers", type=int, help="override the preset's MoE layer count")
+    g.add_argument("--experts", type=int, help="override the preset's routed experts per layer")
+    g.add_argument("--top-k", type=int, help="override the preset's experts per token")
+    g.add_argument("--sequences", type=int, default=64)
+    g.add_argument("--seq-len", type=int, default=64)
+    g.add_argument("--zipf", type=float, default=0.0, help="popularity skew s (0 = uniform)")
+    g.add_argument("--persistence", type=float, default=0.0, help="chance a slot re-uses the previous token's expert")
+    g.add_argument("--cross-layer", type=float, default=0.0, help="chance a slot follows a fixed path from the previous layer")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _synthetic_trace(a):
+    if a.geometry not in GEOMETRIES:
+        raise CliError(f"--geometry: unknown {a.geometry!r}; choose one of {', '.join(GEOMETRIES)}")
+    L, E, k = GEOMETRIES[a.geometry]
+    spec = SyntheticSpec(num_layers=a.layers or L, num_experts=a.experts or E, top_k=a.top_k or k,
+                         num_sequences=a.sequences, seq_len=a.seq_len, zipf_s=a.zipf,
+                         persistence=a.persistence, cross_layer=a.cross_layer, seed=a.seed)
+    return generate(spec)
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(results: list) -> str:
+    cols = [
+        ("batch", lambda r: str(r["batch"])),
+        ("policy", lambda r: r["policy"]),
+        ("scope", lambda r: r["scope"]),
+        ("prefetch", lambda r: r["prefetch"]),
+        ("dev slots", lambda r: f"{r['device_slots']}{'/layer' if r['scope'] == 'layer' else ''}"),
+        ("dev %", lambda r: f"{100 * r['device_fraction']:.0f}"),
+        ("dev hit", lambda r: _fmt(r["hit_rate"]["device"])),
+        ("host hit", lambda r: _fmt(r["hit_rate"]["host"])),
+        ("uniq/layer", lambda r: f"{r['unique_experts_per_layer_step']:.1f}"),
+        ("waves", lambda r: str(r["waves"]["extra_waves"])),
+        ("h2d MB/tok", lambda r: f"{r['bytes_per_token']['host_to_device'] / 1e6:.1f}"),
+        ("disk MB/tok", lambda r: f"{r['bytes_per_token']['disk_to_host'] / 1e6:.1f}"),
+        ("pf prec", lambda r: _fmt(r["prefetch_stats"]["precision"], ".2f")),
+        ("pf recall", lambda r: _fmt(r["prefetch_stats"]["recall"], ".2f")),
+        ("tok/s serial", lambda r: f"{r['projected']['tokens_per_s_serial']:.1f}"),
+        ("tok/s overlap", lambda r: f"{r['projected']['tokens_per_s_overlap']:.1f}"),
+        ("tok/s resident", lambda r: f"{r['projected']['tokens_per_s_all_resident']:.0f}"),
+        ("wall s", lambda r: f"{r['wall_seconds']:.2f}"),
+    ]
+    rows = [[c[0] for c in cols]] + [[f(r) for _, f in cols] for r in results]
+    w = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    lines = ["  ".join(cell.rjust(w[i]) if i >= 4 else cell.ljust(w[i]) for i, cell in enumerate(row)) for row in rows]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def _footer(results: list) -> str:
+    r = results[0]
+    return (f"trace: {r['trace']} ({r['tokens']:,} tokens)\n"
+            f"expert: {r['expert_bytes'] / 1e6:.1f} MB - {r['expert_size_source']}\n"
+            f"profile: {r['profile']} (h2d {r['projected']['h2d_GBps']:.1f} GB/s for one expert, "
+            f"{r['projected']['h2d_ms_per_expert']:.3f} ms per copy); tokens/s are projections of expert "
+            f"compute and transfers only (see cache_policy/cost_model.py)\n"
+            f"dev hit = device hits / needed experts; host hit = host hits / device misses")
+
+
+def _progress_factory(enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    bar = {"b": None}
+
+    def cb(done, total):
+        if bar["b"] is None:
+            bar["b"] = tqdm(total=total, desc=desc, unit="group", leave=False, file=sys.stderr)
+        bar["b"].n = done
+        bar["b"].refresh()
+        if done >= total:
+            bar["b"].close()
+            bar["b"] = None
+    return cb
+
+
+def cmd_replay(a) -> int:
+    if bool(a.trace) == bool(a.synthetic):
+        raise CliError("give exactly one of --trace FILE.npz or --synthetic")
+    trace = load_trace(a.trace) if a.trace else _synthetic_trace(a)
+    fit = load_trace(a.fit_trace) if a.fit_trace else None
+    results = []
+    for policy in a.policy.split(","):
+        for prefetch in a.prefetch.split(","):
+            cfg = ReplayConfig(policy=policy, scope=a.scope, device_capacity=a.device_capacity,
+                               host_capacity=a.host_capacity, prefetch=prefetch, prefetch_budget=a.prefetch_budget,
+                               profile=a.profile, dtype=a.dtype, geometry=a.expert_geometry,
+                               expert_bytes=a.expert_bytes, fit_trace=fit, transition_model=a.transition_model)
+            prog = _progress_factory(not a.json and sys.stderr.isatty(), f"{policy}/{prefetch}")
+            rs = replay(trace, cfg, _batches(a.batch), progress=prog)
+            results.extend(rs)
+            if a.json:
+                for r in rs:
+                    print(json.dumps(r), flush=True)
+    if not a.json:
+        print(format_table(results))
+        print()
+        print(_footer(results))
+    return 0
+
+
+def cmd_trace_stats(a) -> int:
+    s = trace_stats(load_trace(a.file))
+    print(json.dumps(s) if a.json else format_stats(s))
+    return 0
+
+
+def cmd_prefetch_fit(a) -> int:
+    tr = load_trace(a.trace)
+    p = TransitionPrefetcher(tr.num_layers, tr.num_experts).fit(tr)
+    p.save(a.out)
+    print(f"wrote {a.out}: transition counts for {tr.num_layers} layers x {tr.num_experts} experts "
+          f"from {tr.num_tokens:,} tokens of {tr.source}")
+    return 0
+
+
+def cmd_demo(a) -> int:
+    """Until the live runtime lands: replay a built-in synthetic trace with real locality."""
+    spec = SyntheticSpec(num_layers=16, num_experts=64, top_k=6, num_sequences=128, seq_len=96,
+                         zipf_s=0.8, persistence=0.5, cross_layer=0.3, seed=a.seed)
+    print(f"Built-in synthetic trace: {spec.num_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
+          f"{spec.num_sequences} sequences x {spec.seq_len} tokens; Zipf skew {spec.zipf_s}, persistence "
+          f"{spec.persistence}, cross-layer {spec.cross_layer}, seed {spec.seed}.")
+    print(f"Device tier: {a.device_capacity} of all experts, scope global; host tier holds every expert; "
+          f"profile h200; experts sized as Kimi K3's latent experts (bf16).\n")
+    trace = generate(spec)
+    results = []
+    for policy, prefetch in (("none", "none"), ("lru", "none"), ("lru", "transition"), ("freq", "freq"),
+                             ("belady", "none")):
+        cfg = ReplayConfig(policy=policy, scope="global", device_capacity=a.device_capacity, prefetch=prefetch,
+                           geometry="kimi-k3")
+        results.extend(replay(trace, cfg, [1, 8, 64]))
+    results.sort(key=lambda r: (r["batch"], r["policy"], r["prefetch"]))
+    print(format_table(results))
+    print()
+    print(_footer(results))
+    print()
+    for b in (1, 8, 64):
+        rs = [r for r in results if r["batch"] == b]
+        best = max((r for r in rs if r["policy"] != "belady"), key=lambda r: r["projected_tokens_per_s"])
+        none = next(r for r in rs if r["policy"] == "none")
+        gain = best["projected_tokens_per_s"] / none["projected_tokens_per_s"]
+        print(f"batch {b:>3}: {rs[0]['unique_experts_per_layer_step']:.1f} of {spec.num_experts} experts needed per layer "
+              f"per step; best online {best['policy']}+{best['prefetch']} hits {best['hit_rate']['device']:.0%} "
+              f"-> {gain:.2f}x the tokens/s of loading on demand"
+              + (" (tiering pays)" if gain >= 1.5 else " (tiering barely pays)" if gain >= 1.1 else " (tiering stops paying)"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiered-moe", description="Tiered expert-offloading for MoE models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="the main job on an embedded default: replay a built-in synthetic trace")
+    d.add_argument("--device-capacity", default="0.2")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("replay", help="replay a routing trace through tier placement")
+    r.add_argument("--trace", help="routing trace .npz (layout: cache_policy/traces.py)")
+    r.add_argument("--synthetic", action="store_true", help="generate a trace instead (knobs below)")
+    r.add_argument("--policy", default="lru", help=f"one or more, comma-separated: {', '.join(POLICIES)}")
+    r.add_argument("--scope", default="global", help="layer (C slots per layer) or global (C slots in total)")
+    r.add_argument("--device-capacity", default="0.1", help="fraction of all experts (0.1), count (166) or size (24GiB)")
+    r.add_argument("--host-capacity", default=None, help="as --device-capacity; default: the host holds every expert")
+    r.add_argument("--prefetch", default="none", help=f"one or more, comma-separated: {', '.join(p for p in PREFETCHERS if p != 'lookahead')}")
+    r.add_argument("--prefetch-budget", type=int, default=None, help="experts prefetched per layer per step (default top-k)")
+    r.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,64")
+    r.add_argument("--profile", default="h200", help=f"hardware profile: {', '.join(cm.list_profiles())} or a JSON path")
+    r.add_argument("--dtype", default="bf16", help=f"expert weight dtype: {', '.join(cm.DTYPE_BITS)}")
+    r.add_argument("--expert-geometry", default=None, help=f"expert size preset: {', '.join(cm.EXPERT_GEOMETRY)} (default: from the trace's model)")
+    r.add_argument("--expert-bytes", type=int, default=None, help="bytes of one expert (overrides geometry and dtype)")
+    r.add_argument("--fit-trace", default=None, help="training trace for static's profile and transition's fit")
+    r.add_argument("--transition-model", default=None, help="transition prefetcher saved by 'tiered-moe prefetch fit'")
+    r.add_argument("--json", action="store_true", help="one JSON object per line, per batch size")
+    _add_synthetic_args(r)
+    r.set_defaults(func=cmd_replay)
+
+    t = sub.add_parser("trace", help="routing trace tools")
+    tsub = t.add_subparsers(dest="trace_cmd", required=True)
+    ts = tsub.add_parser("stats", help="tokens, sequences, skew and reuse distances of a trace")
+    ts.add_argument("file")
+    ts.add_argument("--json", action="store_true")
+    ts.set_defaults(func=cmd_trace_stats)
+
+    pf = sub.add_parser("prefetch", help="prefetcher tools")
+    psub = pf.add_subparsers(dest="prefetch_cmd", required=True)
+    fit = psub.add_parser("fit", help="fit a transition prefetcher on a training trace and save it")
+    fit.add_argument("--trace", required=True)
+    fit.add_argument("--out", required=True)
+    fit.set_defaults(func=cmd_prefetch_fit)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, CliError) as e:
+        print(f"tiered-moe: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

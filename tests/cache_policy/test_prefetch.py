@@ -1,0 +1,103 @@
+import numpy as np
+import pytest
+
+import oracle
+from cache_policy.prefetch import FreqPrefetcher, GateLookaheadPrefetcher, TransitionPrefetcher, make_prefetcher
+from cache_policy.replay import ReplayConfig, replay_batch
+from cache_policy.synthetic import SyntheticSpec, generate
+
+
+def test_transition_fit_counts_match_brute_force(flame_trace):
+    tr = flame_trace.subset(range(3))
+    p = TransitionPrefetcher(tr.num_layers, tr.num_experts).fit(tr)
+    want = np.zeros_like(p.counts)
+    so = tr.seq_offsets
+    for t in range(tr.num_tokens):
+        for l in range(tr.num_layers):
+            if l + 1 < tr.num_layers:
+                nxt = tr.ids[t, l + 1]
+            elif t + 1 not in so:
+                nxt = tr.ids[t + 1, 0]
+            else:
+                continue
+            for i in tr.ids[t, l]:
+                for j in nxt:
+                    want[l, i, j] += 1
+    assert np.array_equal(p.counts, want)
+
+
+def test_transition_predicts_and_roundtrips(tmp_path):
+    p = TransitionPrefetcher(2, 4)
+    p.counts[0, 1, 3] = 5
+    p.counts[0, 1, 2] = 1
+    p.popularity[1] = [0, 0, 1, 0]
+    assert p.predict(1, [1], 2) == [3, 2]
+    assert p.predict(1, [0], 1) == [2]          # unseen row: popularity fallback
+    path = str(tmp_path / "tm.npz")
+    p.save(path)
+    q = TransitionPrefetcher.load(path)
+    assert np.array_equal(q.counts, p.counts) and q.predict(1, [1], 2) == [3, 2]
+    with pytest.raises(ValueError, match="does not exist"):
+        TransitionPrefetcher.load(str(tmp_path / "x.npz"))
+    (tmp_path / "bad.npz").write_bytes(b"zz")
+    with pytest.raises(ValueError, match="not a transition model"):
+        TransitionPrefetcher.load(str(tmp_path / "bad.npz"))
+
+
+def test_freq_prefetcher_ranks_by_ema():
+    p = FreqPrefetcher(1, 5, ema=0.5)
+    p.observe(0, [0, 1], [1.0, 1.0], 0)
+    p.observe(0, [2], [1.0], 5)              # recent beats old
+    assert p.predict(0, [], 2) == [2, 0]
+
+
+def test_lookahead_needs_a_model_and_uses_the_gate():
+    with pytest.raises(ValueError, match="needs hidden states"):
+        make_prefetcher("lookahead", num_layers=2, num_experts=4)
+    with pytest.raises(ValueError, match="needs hidden states"):
+        ReplayConfig(prefetch="lookahead")
+    g = GateLookaheadPrefetcher(lambda layer, h: np.array([[0.1, 0.9, 0.0, 0.3], [0.8, 0.0, 0.2, 0.1]]))
+    g.set_hidden(object())
+    assert g.predict(1, [], 2) == [1, 0]
+    with pytest.raises(ValueError, match="unknown prefetcher 'magic'"):
+        make_prefetcher("magic", num_layers=1, num_experts=1)
+
+
+def _trace():
+    return generate(SyntheticSpec(num_layers=4, num_experts=16, top_k=2, num_sequences=8, seq_len=24,
+                                  zipf_s=0.8, persistence=0.3, cross_layer=0.6, seed=3))
+
+
+def test_oracle_prefetch_predictions_are_exact_and_accounting_adds_up():
+    tr = _trace()
+    r = replay_batch(tr, ReplayConfig(policy="lru", scope="layer", device_capacity="6", prefetch="oracle",
+                                      prefetch_budget=16), 1)
+    ps = r["prefetch_stats"]
+    assert ps["prediction_precision"] == 1.0 and ps["prediction_recall"] == 1.0
+    assert ps["issued"] == ps["used"] + ps["wasted"] + ps["unused_at_end"]
+    assert ps["wasted"] == 0
+    # Every need after the very first group is prefetched: only the first group misses.
+    assert r["accesses"] - r["hits"]["device"] == len(oracle.groups_of(tr, 1)[0][2])
+
+
+@pytest.mark.parametrize("name", ["freq", "transition"])
+def test_prefetch_precision_recall_are_measured(name):
+    tr = _trace()
+    r0 = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="12"), 1)
+    r = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="12", prefetch=name), 1)
+    ps = r["prefetch_stats"]
+    assert ps["issued"] == ps["used"] + ps["wasted"] + ps["unused_at_end"]
+    assert 0 < ps["precision"] <= 1 and 0 < ps["recall"] <= 1
+    assert ps["wasted_bytes"] == ps["wasted"] * r["expert_bytes"]
+    moved = r["bytes_per_token"]["host_to_device"] * r["tokens"] / r["expert_bytes"]
+    assert moved == pytest.approx(r["accesses"] - r["hits"]["device"] + ps["issued"])
+    assert r0["prefetch_stats"]["issued"] == 0
+
+
+def test_transition_fitted_on_train_split_only(deepseek_trace):
+    train, test = deepseek_trace.subset(range(40)).split(0.8)
+    assert train.num_sequences == 32 and test.num_sequences == 8
+    assert not np.shares_memory(train.ids, test.ids)
+    r = replay_batch(test, ReplayConfig(policy="lru", scope="global", device_capacity="0.1", prefetch="transition",
+                                        fit_trace=train), 1)
+    assert r["prefetch_stats"]["prediction_precision"] > 0.2
