@@ -327,8 +327,18 @@ def build_groups(tr: Trace, sched: Schedule, chunk_steps: "int | None" = None) -
     E = tr.num_experts
     if chunk_steps is None:  # bound the dense [steps, L, E] count grid to ~4M cells
         chunk_steps = max(1, 4_000_000 // (L * E))
-    keys_l, cnt_l, w_l, sizes = [], [], [], []
     ids = tr.ids
+    if sched.num_steps == T:  # one token per step: each group is that token's k experts, sorted
+        toks = sched.tokens
+        order = np.argsort(ids[toks], axis=2, kind="stable")        # order: [T, L, k]
+        keys = (np.take_along_axis(ids[toks], order, axis=2).astype(np.int32)
+                + (np.arange(L, dtype=np.int32) * E)[None, :, None])
+        w = (np.take_along_axis(tr.weights[toks], order, axis=2) if tr.weights is not None
+             else np.ones(keys.shape, dtype=np.float32))
+        return Groups(num_layers=L, num_experts=E, num_steps=T, keys=keys.reshape(-1),
+                      count=np.ones(keys.size, dtype=np.int32), weight=w.reshape(-1).astype(np.float32),
+                      ptr=np.arange(0, T * L * k + 1, k, dtype=np.int64), batch_sizes=sched.batch_sizes())
+    keys_l, cnt_l, w_l, sizes = [], [], [], []
     for s0 in range(0, sched.num_steps, chunk_steps):
         s1 = min(sched.num_steps, s0 + chunk_steps)
         a, b = sched.step_ptr[s0], sched.step_ptr[s1]

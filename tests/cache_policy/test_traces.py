@@ -115,3 +115,17 @@ def test_stats_on_a_known_trace():
     # token 1 reuses both of token 0's experts, token 2 one of two, token 3 one of two: 4/6.
     assert s["persistence"] == pytest.approx(4 / 6)
     assert s["experts_never_used"] == 6
+
+
+def test_batch1_groups_carry_each_tokens_weights(flame_trace):
+    tr = flame_trace.subset(range(2))
+    g = build_groups(tr, continuous_batches(tr.seq_offsets, 1))
+    k, E = tr.top_k, tr.num_experts
+    for gi in (0, 5, 77, len(g.ptr) - 2):
+        t, layer = divmod(gi, tr.num_layers)
+        tok = continuous_batches(tr.seq_offsets, 1).tokens[t]
+        want = sorted(zip(tr.ids[tok, layer].tolist(), tr.weights[tok, layer].tolist()))
+        got = list(zip((g.keys[g.ptr[gi]:g.ptr[gi + 1]] - layer * E).tolist(), g.weight[g.ptr[gi]:g.ptr[gi + 1]].tolist()))
+        assert [e for e, _ in got] == [e for e, _ in want]
+        assert np.allclose([w for _, w in got], [w for _, w in want])
+        assert g.count[g.ptr[gi]:g.ptr[gi + 1]].tolist() == [1] * k
