@@ -236,6 +236,7 @@ class TieredPlacement:
         keys evicted from each tier."""
         dev = self.device[layer]
         n_hits, misses, evicted, waves = dev.access(keys, t, aux, True)
+        evicted = list(evicted)
         used = 0
         if self.pending:
             got = self.pending.intersection(keys)
@@ -249,11 +250,11 @@ class TieredPlacement:
             _, from_disk, host_evicted, _ = self.host[layer].access(keys, t, aux, True)
             if host_evicted:
                 self.host_evictions += len(host_evicted)
-                self._back_invalidate(host_evicted)
-        return {"hits": n_hits, "misses": misses, "from_disk": from_disk, "device_evicted": list(evicted),
+                evicted += self._back_invalidate(host_evicted)
+        return {"hits": n_hits, "misses": misses, "from_disk": list(from_disk), "device_evicted": evicted,
                 "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used}
 
-    def _back_invalidate(self, host_evicted) -> None:
+    def _back_invalidate(self, host_evicted) -> list:
         E = self.num_experts
         dev = self.device
         gone = [k for k in host_evicted if dev[k // E].remove(k)]
@@ -261,19 +262,28 @@ class TieredPlacement:
             self.back_invalidations += len(gone)
             self.device_evictions += len(gone)
             self._note_evicted(gone)
+        return gone
 
     def prefetch(self, layer: int, keys: Sequence[int], t: int, protected: set):
         """Bring predicted experts of ``layer`` to the device. Returns (from_host, from_disk)."""
+        d = self.prefetch_detail(layer, keys, t, protected)
+        return len(d["loaded"]) - len(d["from_disk"]), len(d["from_disk"])
+
+    def prefetch_detail(self, layer: int, keys: Sequence[int], t: int, protected: set) -> dict:
+        """Like ``prefetch`` but names the experts: loaded (to the device), from_disk (of those),
+        and what each tier evicted for them."""
         ins, ev = self.device[layer].prefetch(keys, t, protected)
+        dev_evicted = list(ev)
         if ev:
             self.device_evictions += len(ev)
             self._note_evicted(ev)
+        out = {"loaded": list(ins), "from_disk": [], "device_evicted": dev_evicted, "host_evicted": []}
         if not ins:
-            return 0, 0
-        self.prefetch_issued += len(ins)
+            return out
         self.pending.update(ins)
         if self.host is None:
-            return len(ins), 0
+            self.prefetch_issued += len(ins)
+            return out
         hp = self.host[layer]
         # Inclusive: what reaches the device must be on the host; those not there come from disk.
         from_disk = [k for k in ins if k not in hp.resident]
@@ -281,10 +291,17 @@ class TieredPlacement:
             hins, hev = hp.prefetch(from_disk, t, protected.union(ins))
             if hev:
                 self.host_evictions += len(hev)
-                self._back_invalidate(hev)
+                out["host_evicted"] = list(hev)
+                dev_evicted += self._back_invalidate(hev)
             # Anything the host could not take cannot stay on the device either.
-            for k in set(from_disk) - set(hins):
+            dropped = set(from_disk) - set(hins)
+            for k in dropped:
                 self.device[layer].remove(k)
                 self.pending.discard(k)
+            if dropped:
+                out["loaded"] = [k for k in ins if k not in dropped]
+                from_disk = [k for k in from_disk if k not in dropped]
         self.prefetch_from_disk += len(from_disk)
-        return len(ins) - len(from_disk), len(from_disk)
+        self.prefetch_issued += len(out["loaded"])
+        out["from_disk"] = from_disk
+        return out

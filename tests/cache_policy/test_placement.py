@@ -137,3 +137,14 @@ def test_pool_rejects_empty_capacity_and_host_below_device():
         Pool(0, LRU())
     with pytest.raises(ValueError, match="inclusive"):
         TieredPlacement(num_layers=2, num_experts=4, scope="layer", device_slots=3, host_slots=2, policy_factory=LRU)
+
+
+def test_prefetch_accounting_adds_up_with_a_small_host_tier():
+    from cache_policy.synthetic import SyntheticSpec, generate
+    tr = generate(SyntheticSpec(num_layers=4, num_experts=16, top_k=3, num_sequences=8, seq_len=20, zipf_s=0.5,
+                                cross_layer=0.5, seed=4))
+    for pf in ("transition", "oracle", "freq"):
+        r = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="8", host_capacity="12",
+                                          prefetch=pf, prefetch_budget=4), 2)
+        ps = r["prefetch_stats"]
+        assert ps["issued"] == ps["used"] + ps["wasted"] + ps["unused_at_end"], pf

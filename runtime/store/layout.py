@@ -1,0 +1,167 @@
+"""The on-disk tiered layout: one contiguous blob per expert, a manifest, a checksum per blob.
+
+A store directory holds ``manifest.json`` and one file per MoE layer, ``layer-NNN.bin``, in
+which expert e's blob starts at ``e * blob_stride`` (a multiple of 4096, so every blob can be
+read with O_DIRECT into an aligned slot). A blob is the expert's tensors (e.g. gate, up, down)
+back to back at the offsets the manifest gives, so moving an expert is one copy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FORMAT = "tiered-moe-store"
+VERSION = 1
+ALIGN = 4096
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None), "uint8": torch.uint8, "int8": torch.int8}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dt:
+            return name
+    raise ValueError(f"expert tensors of dtype {dt} are not supported; use one of "
+                     f"{', '.join(n for n, d in _DTYPES.items() if d is not None)}")
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple
+    dtype: str
+    offset: int  # bytes from the blob start
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+
+
+@dataclass
+class Manifest:
+    model: str
+    num_layers: int
+    num_experts: int
+    tensors: list          # [TensorSpec], the same for every expert
+    blob_bytes: int
+    blob_stride: int
+    checksums: list        # [layer][expert] crc32 of the blob's bytes
+    layer_numbers: list    # model layer index of each MoE layer
+    extra: dict
+
+    @staticmethod
+    def layout(specs: "list[tuple[str, tuple, torch.dtype]]") -> "tuple[list, int]":
+        """Tensor specs packed back to back, each at a 64-byte aligned offset."""
+        out, off = [], 0
+        for name, shape, dt in specs:
+            ts = TensorSpec(name, tuple(int(s) for s in shape), dtype_name(dt), off)
+            out.append(ts)
+            off = _align(off + ts.nbytes, 64)
+        return out, off
+
+    def layer_file(self, layer: int) -> str:
+        return f"layer-{layer:03d}.bin"
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "model": self.model, "num_layers": self.num_layers,
+                "num_experts": self.num_experts, "blob_bytes": self.blob_bytes, "blob_stride": self.blob_stride,
+                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "offset": t.offset}
+                            for t in self.tensors],
+                "layer_numbers": self.layer_numbers, "checksums": self.checksums, "extra": self.extra}
+
+    @staticmethod
+    def read(store_dir: str) -> "Manifest":
+        path = os.path.join(store_dir, "manifest.json")
+        if not os.path.isdir(store_dir):
+            raise ValueError(f"store directory {store_dir!r} does not exist")
+        if not os.path.exists(path):
+            raise ValueError(f"{store_dir}: not a tiered-moe store (no manifest.json); convert a model first")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if d.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {d.get('format')!r} is not {FORMAT!r}")
+        if d.get("version") != VERSION:
+            raise ValueError(f"{path}: store version {d.get('version')!r}, this tiered-moe reads version {VERSION}; "
+                             f"convert the model again")
+        need = ("model", "num_layers", "num_experts", "blob_bytes", "blob_stride", "tensors", "checksums")
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise ValueError(f"{path}: manifest lacks {', '.join(missing)}")
+        m = Manifest(model=d["model"], num_layers=int(d["num_layers"]), num_experts=int(d["num_experts"]),
+                     tensors=[TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], int(t["offset"])) for t in d["tensors"]],
+                     blob_bytes=int(d["blob_bytes"]), blob_stride=int(d["blob_stride"]), checksums=d["checksums"],
+                     layer_numbers=d.get("layer_numbers", list(range(int(d["num_layers"])))), extra=d.get("extra", {}))
+        if len(m.checksums) != m.num_layers or any(len(c) != m.num_experts for c in m.checksums):
+            raise ValueError(f"{path}: checksums do not cover {m.num_layers} layers x {m.num_experts} experts")
+        for layer in range(m.num_layers):
+            f = os.path.join(store_dir, m.layer_file(layer))
+            if not os.path.exists(f):
+                raise ValueError(f"{store_dir}: expert file {m.layer_file(layer)} of layer {layer} is missing")
+            size = os.path.getsize(f)
+            if size < m.num_experts * m.blob_stride:
+                raise ValueError(f"{f}: {size} bytes, expected {m.num_experts * m.blob_stride} "
+                                 f"({m.num_experts} experts x {m.blob_stride}): truncated")
+        return m
+
+
+class StoreWriter:
+    """Writes a store expert by expert, never holding more than one blob in memory."""
+
+    def __init__(self, store_dir: str, *, model: str, num_layers: int, num_experts: int,
+                 specs: "list[tuple[str, tuple, torch.dtype]]", layer_numbers=None, extra=None) -> None:
+        os.makedirs(store_dir, exist_ok=True)
+        tensors, blob = Manifest.layout(specs)
+        self.dir = store_dir
+        self.m = Manifest(model=model, num_layers=num_layers, num_experts=num_experts, tensors=tensors,
+                          blob_bytes=blob, blob_stride=_align(blob), checksums=[[None] * num_experts for _ in range(num_layers)],
+                          layer_numbers=list(layer_numbers if layer_numbers is not None else range(num_layers)),
+                          extra=extra or {})
+        self._files = {}
+
+    def write(self, layer: int, expert: int, tensors: "dict[str, torch.Tensor]") -> None:
+        m = self.m
+        buf = bytearray(m.blob_stride)
+        for ts in m.tensors:
+            if ts.name not in tensors:
+                raise ValueError(f"layer {layer} expert {expert}: tensor {ts.name!r} missing")
+            t = tensors[ts.name]
+            if tuple(t.shape) != ts.shape or dtype_name(t.dtype) != ts.dtype:
+                raise ValueError(f"layer {layer} expert {expert}: tensor {ts.name!r} is {tuple(t.shape)} {t.dtype}, "
+                                 f"expected {ts.shape} {ts.dtype}")
+            raw = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            buf[ts.offset:ts.offset + len(raw)] = raw
+        if layer not in self._files:
+            f = open(os.path.join(self.dir, m.layer_file(layer)), "wb")
+            f.truncate(m.num_experts * m.blob_stride)
+            self._files[layer] = f
+        f = self._files[layer]
+        f.seek(expert * m.blob_stride)
+        f.write(buf)
+        m.checksums[layer][expert] = zlib.crc32(memoryview(buf)[: m.blob_bytes])
+
+    def close(self) -> Manifest:
+        for f in self._files.values():
+            f.close()
+        missing = [(l, e) for l in range(self.m.num_layers) for e in range(self.m.num_experts)
+                   if self.m.checksums[l][e] is None]
+        if missing:
+            raise ValueError(f"store {self.dir}: {len(missing)} experts were never written (first: layer "
+                             f"{missing[0][0]} expert {missing[0][1]})")
+        tmp = os.path.join(self.dir, "manifest.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.m.to_json(), f)
+        os.replace(tmp, os.path.join(self.dir, "manifest.json"))
+        return self.m

@@ -1,0 +1,332 @@
+"""The live expert store: real bytes in three tiers, moved as ``cache_policy`` decides.
+
+- Device tier: one slab of fixed slots in CUDA memory (CPU memory standing in on a CPU-only
+  machine; ``device_is_stand_in`` says so in every report).
+- Host tier: one preallocated slab of fixed slots, pinned when CUDA is present.
+- Disk tier: the store directory (``layout.py``), read by a thread pool straight into host
+  slots (O_DIRECT where the file system allows it), checksum-verified.
+
+``request(layer, experts, t)`` asks placement (the same ``TieredPlacement`` replay uses) what
+hits, what loads and what leaves, then returns at once: experts already resident are ready,
+misses stream in on worker threads (a side CUDA stream on a GPU) so the caller computes the
+resident ones first. Experts are read-only: eviction only drops a slot.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cache_policy.keys import SCOPES
+from cache_policy.placement import TieredPlacement
+from cache_policy.policies import LFU, LRU, Freq, NoCache, check_policy_name
+
+from .layout import ALIGN, Manifest, _DTYPES
+
+
+class ChecksumError(RuntimeError):
+    pass
+
+
+class Slab:
+    """``n`` fixed slots of ``stride`` bytes in one allocation; slot addresses 4 KiB aligned on
+    the host so O_DIRECT reads can land in them."""
+
+    def __init__(self, n: int, stride: int, device: str, pin: bool) -> None:
+        pad = ALIGN if device == "cpu" else 0
+        raw = torch.empty(n * stride + pad, dtype=torch.uint8, device=device, pin_memory=pin)
+        off = (-raw.data_ptr()) % ALIGN if pad else 0
+        self.data = raw[off:off + n * stride].view(n, stride)   # data: [slots, stride] bytes
+        self.free = list(range(n - 1, -1, -1))
+        self.slot_of: dict = {}
+        self.nbytes = n * stride
+
+    def alloc(self, key: int) -> int:
+        if not self.free:
+            raise RuntimeError("slab is full: placement and slots disagree")
+        s = self.free.pop()
+        self.slot_of[key] = s
+        return s
+
+    def release(self, key: int) -> None:
+        self.free.append(self.slot_of.pop(key))
+
+
+class DiskTier:
+    def __init__(self, store_dir: str, m: Manifest, direct: bool = True) -> None:
+        self.dir, self.m = store_dir, m
+        self.fds, self.mode = [], "O_DIRECT"
+        for layer in range(m.num_layers):
+            path = os.path.join(store_dir, m.layer_file(layer))
+            fd = None
+            if direct and hasattr(os, "O_DIRECT"):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                except OSError:
+                    fd = None
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
+                self.mode = "buffered"
+            self.fds.append(fd)
+        self._fallback = {}
+
+    def read_into(self, layer: int, expert: int, dst: np.ndarray, verify: bool = True) -> None:
+        """dst: [stride] uint8 view of a host slot."""
+        m = self.m
+        off = expert * m.blob_stride
+        try:
+            n = os.preadv(self.fds[layer], [dst], off)
+        except OSError:  # O_DIRECT refused at read time (some file systems): fall back for this file
+            fd = self._fallback.get(layer)
+            if fd is None:
+                fd = self._fallback[layer] = os.open(os.path.join(self.dir, m.layer_file(layer)), os.O_RDONLY)
+                self.mode = "buffered"
+            n = os.preadv(fd, [dst], off)
+        if n < m.blob_bytes:
+            raise ChecksumError(f"{m.layer_file(layer)}: short read of layer {layer} expert {expert} "
+                                f"({n} of {m.blob_bytes} bytes): file truncated")
+        if verify:
+            crc = zlib.crc32(memoryview(dst)[: m.blob_bytes])
+            if crc != m.checksums[layer][expert]:
+                raise ChecksumError(f"{m.layer_file(layer)}: checksum mismatch for layer {layer} expert {expert} "
+                                    f"(crc32 {crc:#010x}, manifest {m.checksums[layer][expert]:#010x}): the store is corrupt")
+
+    def close(self) -> None:
+        for fd in list(self.fds) + list(self._fallback.values()):
+            os.close(fd)
+        self.fds, self._fallback = [], {}
+
+
+@dataclass
+class StoreStats:
+    hits: dict = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    bytes: dict = field(default_factory=lambda: {"disk_to_host": 0, "host_to_device": 0})
+    prefetch_loaded: int = 0
+    stall_seconds: float = 0.0
+    requests: int = 0
+
+
+class Fetch:
+    """One layer's experts: ``ready`` are resident now; ``tensors(e)`` waits for a miss."""
+
+    def __init__(self, store: "ExpertStore", layer: int, experts: list, pending: dict) -> None:
+        self.store, self.layer, self.experts, self.pending = store, layer, experts, pending
+        self.ready = [e for e in experts if e not in pending]
+
+    def tensors(self, expert: int) -> dict:
+        fut = self.pending.get(expert)
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()
+            self.store.stats.stall_seconds += time.perf_counter() - t0
+        return self.store._views(self.layer * self.store.m.num_experts + expert)
+
+    def wait(self) -> None:
+        for e in self.pending:
+            self.tensors(e)
+
+
+class ExpertStore:
+    def __init__(self, store_dir: str, *, device_budget: int, host_budget: "int | None" = None,
+                 policy: str = "lru", scope: str = "global", device: "str | None" = None,
+                 min_experts_per_layer: int = 1, threads: int = 4, verify: bool = True,
+                 max_inflight_prefetch: int = 64, direct_io: bool = True, progress: bool = False) -> None:
+        self.m = m = Manifest.read(store_dir)
+        check_policy_name(policy)
+        if policy in ("static", "belady"):
+            raise ValueError(f"policy {policy!r} needs a trace (profile or future); the live store takes "
+                             f"lru, lfu, freq or none")
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device_is_stand_in = self.device == "cpu"
+        cuda = self.device.startswith("cuda")
+        L, E, stride = m.num_layers, m.num_experts, m.blob_stride
+        dev_total = int(device_budget) // stride
+        dev_slots = dev_total // L if scope == "layer" else dev_total
+        need = min_experts_per_layer
+        if dev_slots < need:
+            need_bytes = need * stride * (L if scope == "layer" else 1)
+            raise ValueError(f"device budget {int(device_budget):,} bytes holds {dev_slots} expert(s)"
+                             f"{' per layer' if scope == 'layer' else ''}; one layer's top-k needs {need}: "
+                             f"the minimum is {need_bytes:,} bytes ({stride:,} bytes per expert)")
+        host_slots = None
+        if host_budget is not None:
+            host_total = int(host_budget) // stride
+            host_slots = host_total // L if scope == "layer" else host_total
+            if host_slots < dev_slots:
+                raise ValueError(f"host budget {int(host_budget):,} bytes holds {host_slots} experts, fewer than the "
+                                 f"device tier's {dev_slots}: tiers are inclusive, the host needs at least "
+                                 f"{dev_slots * stride * (L if scope == 'layer' else 1):,} bytes")
+            if host_slots >= (E if scope == "layer" else L * E):
+                host_slots = None
+        factory = {"lru": LRU, "lfu": LFU, "freq": Freq, "none": NoCache}[policy]
+        self.placement = TieredPlacement(num_layers=L, num_experts=E, scope=scope, device_slots=dev_slots,
+                                         host_slots=host_slots, policy_factory=factory,
+                                         host_policy_factory=LRU if policy == "none" else factory)
+        n_dev = dev_slots * (L if scope == "layer" else 1)
+        n_host = L * E if host_slots is None else host_slots * (L if scope == "layer" else 1)
+        self.dev = Slab(n_dev, stride, self.device, pin=False)
+        self.host = Slab(n_host, stride, "cpu", pin=cuda)
+        self.disk = DiskTier(store_dir, m, direct=direct_io)
+        self.verify = verify
+        self.stats = StoreStats()
+        self.inflight: dict = {}      # key -> Future of its device copy
+        self._lock = threading.Lock()
+        self.demand_pool = ThreadPoolExecutor(threads, thread_name_prefix="tiered-moe-demand")
+        self.prefetch_pool = ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="tiered-moe-prefetch")
+        self.max_inflight_prefetch = max_inflight_prefetch
+        self.copy_stream = torch.cuda.Stream(device=self.device) if cuda else None
+        self._host_holds_all = host_slots is None
+        if self._host_holds_all:
+            self._load_all_to_host(progress)
+        self.closed = False
+
+    # -- bytes ---------------------------------------------------------------------------------
+    def _load_all_to_host(self, progress: bool) -> None:
+        m = self.m
+        keys = [l * m.num_experts + e for l in range(m.num_layers) for e in range(m.num_experts)]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(keys), desc="loading experts into host memory", unit="expert")
+        futs = []
+        for k in keys:
+            s = self.host.alloc(k)
+            futs.append(self.demand_pool.submit(self.disk.read_into, k // m.num_experts, k % m.num_experts,
+                                                self.host.data[s].numpy(), self.verify))
+        for f in futs:
+            f.result()
+            if bar:
+                bar.update()
+        if bar:
+            bar.close()
+        self.stats.bytes["disk_to_host"] += len(keys) * m.blob_bytes
+
+    def _views(self, key: int) -> dict:
+        blob = self.dev.data[self.dev.slot_of[key]]
+        return {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
+                for ts in self.m.tensors}
+
+    def _move(self, key: int, from_disk: bool) -> None:
+        """Runs on a worker thread: disk -> host slot (if needed) -> device slot."""
+        E = self.m.num_experts
+        hslot = self.host.slot_of[key]
+        if from_disk:
+            self.disk.read_into(key // E, key % E, self.host.data[hslot].numpy(), self.verify)
+        dst = self.dev.data[self.dev.slot_of[key]]
+        if self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                dst.copy_(self.host.data[hslot], non_blocking=True)
+            self.copy_stream.synchronize()
+        else:
+            dst.copy_(self.host.data[hslot])
+
+    def _apply(self, d: dict, pool: ThreadPoolExecutor) -> dict:
+        """Carry out a placement decision: free evicted slots, start the loads."""
+        for k in d["device_evicted"]:
+            self._settle(k)
+            self.dev.release(k)
+        for k in d["host_evicted"]:
+            self._settle(k)
+            self.host.release(k)
+        from_disk = set(d["from_disk"])
+        started = {}
+        for k in d["loaded"]:
+            if k in from_disk:
+                self.host.alloc(k)
+            self.dev.alloc(k)
+            fut = pool.submit(self._move, k, k in from_disk)
+            self.inflight[k] = fut
+            started[k] = fut
+        nbytes = self.m.blob_bytes
+        self.stats.bytes["host_to_device"] += len(d["loaded"]) * nbytes
+        self.stats.bytes["disk_to_host"] += len(from_disk) * nbytes
+        return started
+
+    def _settle(self, key: int) -> None:
+        fut = self.inflight.pop(key, None)
+        if fut is not None:
+            fut.result()
+
+    # -- API -----------------------------------------------------------------------------------
+    def request(self, layer: int, experts, t: int) -> Fetch:
+        """Experts one layer needs now. Returns at once; misses stream in."""
+        m = self.m
+        experts = sorted({int(e) for e in experts})
+        if experts and (experts[0] < 0 or experts[-1] >= m.num_experts):
+            raise ValueError(f"layer {layer}: expert ids must be in [0, {m.num_experts}), got {experts}")
+        if not 0 <= layer < m.num_layers:
+            raise ValueError(f"layer {layer} out of range: the store has {m.num_layers} MoE layers")
+        pool_cap = self.placement.device[layer].capacity
+        if len(experts) > pool_cap:
+            raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the device tier holds {pool_cap}: "
+                             f"waves are not supported by the live store yet; raise the device budget")
+        keys = [layer * m.num_experts + e for e in experts]
+        d = self.placement.access_detail(layer, keys, t)
+        self.stats.requests += 1
+        self.stats.hits["device"] += d["hits"]
+        self.stats.hits["disk"] += len(d["from_disk"])
+        self.stats.hits["host"] += len(d["misses"]) - len(d["from_disk"])
+        started = self._apply({**d, "loaded": d["misses"]}, self.demand_pool)
+        pending = {}
+        for e, k in zip(experts, keys):
+            fut = started.get(k) or self.inflight.get(k)
+            if fut is not None and not fut.done():
+                pending[e] = fut
+            elif fut is not None:
+                self.inflight.pop(k, None)
+                fut.result()   # surfaces a checksum error of a finished prefetch
+        return Fetch(self, layer, experts, pending)
+
+    def prefetch(self, layer: int, experts, t: int, protect: "list[int] | None" = None) -> int:
+        """Bring predicted experts of ``layer`` ahead of need; bounded, never blocks demand loads.
+        ``protect``: experts of the layer being computed (never evicted for a prefetch)."""
+        if len([f for f in self.inflight.values() if not f.done()]) >= self.max_inflight_prefetch:
+            return 0
+        E = self.m.num_experts
+        keys = [layer * E + int(e) for e in experts]
+        d = self.placement.prefetch_detail(layer, keys, t, set(protect or ()))
+        self._apply(d, self.prefetch_pool)
+        self.stats.prefetch_loaded += len(d["loaded"])
+        return len(d["loaded"])
+
+    def end_step(self) -> None:
+        for p in self.placement.unique_pools("device"):
+            if p.clears_each_step:
+                for k in list(p.resident):
+                    self._settle(k)
+                    self.dev.release(k)
+        self.placement.end_step()
+
+    def resident_bytes(self) -> dict:
+        return {"device": (self.dev.data.shape[0] - len(self.dev.free)) * self.m.blob_stride,
+                "host": (self.host.data.shape[0] - len(self.host.free)) * self.m.blob_stride}
+
+    def capacity_bytes(self) -> dict:
+        return {"device": self.dev.nbytes, "host": self.host.nbytes}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        for k in list(self.inflight):
+            try:
+                self._settle(k)
+            except Exception:  # noqa: BLE001 - closing: the error was or will be raised to the caller
+                pass
+        self.demand_pool.shutdown(wait=True)
+        self.prefetch_pool.shutdown(wait=True)
+        self.disk.close()
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

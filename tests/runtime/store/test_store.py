@@ -1,0 +1,160 @@
+"""The live store: real files, real slots, the same placement as replay."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from cache_policy.replay import ReplayConfig, replay_batch
+from cache_policy.traces import Trace
+from runtime.store import ChecksumError, ExpertStore, Manifest, StoreWriter
+
+L, E, H, I = 3, 8, 16, 24
+
+
+def expert_tensors(layer, expert):
+    g = torch.Generator().manual_seed(layer * 1000 + expert)
+    return {"gate": torch.randn(I, H, generator=g), "up": torch.randn(I, H, generator=g),
+            "down": torch.randn(H, I, generator=g).to(torch.bfloat16)}
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    d = str(tmp_path / "store")
+    w = StoreWriter(d, model="tiny", num_layers=L, num_experts=E,
+                    specs=[("gate", (I, H), torch.float32), ("up", (I, H), torch.float32), ("down", (H, I), torch.bfloat16)])
+    for l in range(L):
+        for e in range(E):
+            w.write(l, e, expert_tensors(l, e))
+    w.close()
+    return d
+
+
+def stride(d):
+    return Manifest.read(d).blob_stride
+
+
+def requests(seed, steps=40):
+    rng = np.random.default_rng(seed)
+    return [[sorted(rng.choice(E, size=2, replace=False, p=np.r_[[0.3, 0.2], [0.5 / (E - 2)] * (E - 2)]).tolist())
+             for _ in range(L)] for _ in range(steps)]
+
+
+def test_layout_is_aligned_and_checksummed(store_dir):
+    m = Manifest.read(store_dir)
+    assert m.blob_stride % 4096 == 0 and m.blob_bytes <= m.blob_stride
+    assert [t.name for t in m.tensors] == ["gate", "up", "down"]
+    assert os.path.getsize(os.path.join(store_dir, "layer-000.bin")) == E * m.blob_stride
+
+
+@pytest.mark.parametrize("host_slots", [None, 6])
+@pytest.mark.parametrize("scope,dev_slots", [("global", 4), ("layer", 2)])
+def test_bytes_are_exact_and_hits_match_replay(store_dir, host_slots, scope, dev_slots):
+    s = stride(store_dir)
+    dev_budget = dev_slots * s * (L if scope == "layer" else 1)
+    host_budget = None if host_slots is None else host_slots * s * (L if scope == "layer" else 1)
+    reqs = requests(1)
+    with ExpertStore(store_dir, device_budget=dev_budget, host_budget=host_budget, policy="lru", scope=scope,
+                     min_experts_per_layer=2) as st:
+        assert st.device_is_stand_in
+        for t, step in enumerate(reqs):
+            for layer, experts in enumerate(step):
+                f = st.request(layer, experts, t)
+                for e in f.ready + list(f.pending):
+                    got = f.tensors(e)
+                    want = expert_tensors(layer, e)
+                    for name in want:
+                        assert torch.equal(got[name], want[name]), (t, layer, e, name)
+                rb, cb = st.resident_bytes(), st.capacity_bytes()
+                assert rb["device"] <= cb["device"] and rb["host"] <= cb["host"]
+            st.end_step()
+        stats = st.stats
+    # The same accesses as a trace, replayed with the same policy and capacities.
+    ids = np.array(reqs, dtype=np.int64)              # ids: [steps, L, 2]
+    tr = Trace(ids=ids, seq_offsets=np.array([0, len(reqs)]), num_experts=E)
+    r = replay_batch(tr, ReplayConfig(policy="lru", scope=scope, device_capacity=str(dev_slots),
+                                      host_capacity=None if host_slots is None else str(host_slots)), 1)
+    assert stats.hits["device"] == r["hits"]["device"]
+    assert stats.hits["host"] == r["hits"]["host"]
+    assert stats.hits["disk"] == r["hits"]["disk"]
+    if host_slots is not None:
+        assert stats.hits["disk"] > 0
+
+
+def test_prefetch_makes_hits_and_never_evicts_the_current_layer(store_dir):
+    s = stride(store_dir)
+    with ExpertStore(store_dir, device_budget=4 * s, scope="global", min_experts_per_layer=2) as st:
+        f = st.request(0, [0, 1], 0)
+        f.wait()
+        assert st.prefetch(1, [5, 6, 7], 0, protect=[0, 1]) == 2     # room for two besides layer 0's
+        resident = st.placement.device[0].resident
+        assert {0, 1} <= resident
+        f = st.request(1, [5, 6], 0)
+        f.wait()
+        assert st.stats.hits["device"] == 2
+        assert torch.equal(f.tensors(5)["gate"], expert_tensors(1, 5)["gate"])
+
+
+def test_corrupt_blob_names_layer_and_expert(store_dir):
+    m = Manifest.read(store_dir)
+    path = os.path.join(store_dir, "layer-002.bin")
+    with open(path, "r+b") as f:
+        f.seek(5 * m.blob_stride + 100)
+        b = f.read(1)
+        f.seek(5 * m.blob_stride + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(ChecksumError, match="layer 2 expert 5"):
+        ExpertStore(store_dir, device_budget=4 * m.blob_stride)
+    st = ExpertStore(store_dir, device_budget=4 * m.blob_stride, host_budget=6 * m.blob_stride)
+    try:
+        with pytest.raises(ChecksumError, match="checksum mismatch for layer 2 expert 5"):
+            st.request(2, [5], 0).wait()
+    finally:
+        st.close()
+
+
+def test_bad_stores_and_budgets(store_dir, tmp_path):
+    s = stride(store_dir)
+    with pytest.raises(ValueError, match="minimum is"):
+        ExpertStore(store_dir, device_budget=s, min_experts_per_layer=2)
+    with pytest.raises(ValueError, match="tiers are inclusive"):
+        ExpertStore(store_dir, device_budget=4 * s, host_budget=2 * s)
+    with pytest.raises(ValueError, match="does not exist"):
+        ExpertStore(str(tmp_path / "nope"), device_budget=s)
+    with pytest.raises(ValueError, match="no manifest.json"):
+        ExpertStore(str(tmp_path), device_budget=s)
+    with pytest.raises(ValueError, match="needs a trace"):
+        ExpertStore(store_dir, device_budget=4 * s, policy="belady")
+    mpath = os.path.join(store_dir, "manifest.json")
+    d = json.load(open(mpath))
+    json.dump({**d, "version": 99}, open(mpath, "w"))
+    with pytest.raises(ValueError, match="store version 99"):
+        Manifest.read(store_dir)
+    json.dump(d, open(mpath, "w"))
+    with open(os.path.join(store_dir, "layer-001.bin"), "r+b") as f:
+        f.truncate(3 * s)
+    with pytest.raises(ValueError, match="layer-001.bin: .* truncated"):
+        Manifest.read(store_dir)
+
+
+def test_request_errors(store_dir):
+    s = stride(store_dir)
+    with ExpertStore(store_dir, device_budget=2 * s, min_experts_per_layer=2) as st:
+        with pytest.raises(ValueError, match=r"expert ids must be in \[0, 8\)"):
+            st.request(0, [9], 0)
+        with pytest.raises(ValueError, match="layer 7 out of range"):
+            st.request(7, [1], 0)
+        with pytest.raises(ValueError, match="waves are not supported"):
+            st.request(0, [1, 2, 3], 0)
+
+
+def test_writer_refuses_wrong_tensors(tmp_path):
+    w = StoreWriter(str(tmp_path / "s"), model="m", num_layers=1, num_experts=2, specs=[("w", (2, 2), torch.float32)])
+    with pytest.raises(ValueError, match=r"layer 0 expert 1: tensor 'w' is \(3, 2\)"):
+        w.write(0, 1, {"w": torch.zeros(3, 2)})
+    with pytest.raises(ValueError, match="tensor 'w' missing"):
+        w.write(0, 0, {"v": torch.zeros(2, 2)})
+    w.write(0, 0, {"w": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match="never written"):
+        w.close()
