@@ -29,7 +29,7 @@ _EMPTY: tuple = ()
 class Pool:
     """One tier's slots for one scope unit: a resident set of at most ``capacity`` keys."""
 
-    __slots__ = ("capacity", "policy", "resident", "clears_each_step")
+    __slots__ = ("capacity", "policy", "resident", "clears_each_step", "last_waves")
 
     def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
         if capacity < 1:
@@ -38,6 +38,7 @@ class Pool:
         self.policy = policy
         self.resident: set = set()
         self.clears_each_step = policy.clears_each_step
+        self.last_waves: list = []
 
     def _make_room(self, n_new: int, protected) -> list:
         over = len(self.resident) + n_new - self.capacity
@@ -90,13 +91,18 @@ class Pool:
         chunks = [(misses[:first], hits + misses[:first])] if first > 0 else []
         for i in range(max(first, 0), len(misses), cap):
             chunks.append((misses[i:i + cap], misses[i:i + cap]))
+        # The plan a live store follows: per wave, the experts computed, loaded and evicted.
+        plan = [(list(hits), [], [])] if first <= 0 else []
         off = 0
         for new, protected in chunks:
-            evicted.extend(self._make_room(len(new), set(protected)))
+            ev = self._make_room(len(new), set(protected))
+            evicted.extend(ev)
             res.update(new)
             policy.on_insert(new, t, None if aux_m is None else aux_m[off:off + len(new)])
             off += len(new)
-        return len(hits), misses, evicted, len(chunks) + (1 if first <= 0 else 0)
+            plan.append((list(protected), list(new), list(ev)))
+        self.last_waves = plan
+        return len(hits), misses, evicted, len(plan)
 
     def prefetch(self, keys: Sequence[int], t: int, protected: set):
         """Load keys not resident, never evicting ``protected`` or each other. Returns (inserted, evicted)."""
@@ -252,7 +258,8 @@ class TieredPlacement:
                 self.host_evictions += len(host_evicted)
                 evicted += self._back_invalidate(host_evicted)
         return {"hits": n_hits, "misses": misses, "from_disk": list(from_disk), "device_evicted": evicted,
-                "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used}
+                "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used,
+                "wave_plan": dev.last_waves if waves > 1 else None}
 
     def _back_invalidate(self, host_evicted) -> list:
         E = self.num_experts

@@ -110,14 +110,33 @@ class StoreStats:
     prefetch_loaded: int = 0
     stall_seconds: float = 0.0
     requests: int = 0
+    waves: int = 0   # extra waves: layers whose experts did not fit the device tier at once
 
 
 class Fetch:
-    """One layer's experts: ``ready`` are resident now; ``tensors(e)`` waits for a miss."""
+    """One layer's experts: ``ready`` are resident now; ``tensors(e)`` waits for a miss.
 
-    def __init__(self, store: "ExpertStore", layer: int, experts: list, pending: dict) -> None:
+    Iterate ``waves()`` to compute: one wave (resident experts first) when the layer's experts fit
+    the device tier; otherwise the waves placement planned, each loaded after the previous one
+    has been computed (its slots are reused)."""
+
+    def __init__(self, store: "ExpertStore", layer: int, experts: list, pending: dict, plan=None) -> None:
         self.store, self.layer, self.experts, self.pending = store, layer, experts, pending
         self.ready = [e for e in experts if e not in pending]
+        self.plan = plan
+
+    def waves(self):
+        if self.plan is None:
+            yield self.ready + [e for e in self.experts if e in self.pending]
+            return
+        base = self.layer * self.store.m.num_experts
+        for j, (keys, new, ev) in enumerate(self.plan):
+            if j > 0:
+                self.pending.update({k - base: f for k, f in self.store._apply(
+                    {"device_evicted": ev, "host_evicted": [], "from_disk": [], "loaded": new},
+                    self.store.demand_pool).items()})
+            wave = [k - base for k in keys]
+            yield [e for e in wave if e not in self.pending] + [e for e in wave if e in self.pending]
 
     def tensors(self, expert: int) -> dict:
         fut = self.pending.get(expert)
@@ -265,15 +284,22 @@ class ExpertStore:
         if not 0 <= layer < m.num_layers:
             raise ValueError(f"layer {layer} out of range: the store has {m.num_layers} MoE layers")
         pool_cap = self.placement.device[layer].capacity
-        if len(experts) > pool_cap:
+        if len(experts) > pool_cap and not self._host_holds_all:
             raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the device tier holds {pool_cap}: "
-                             f"waves are not supported by the live store yet; raise the device budget")
+                             f"waves need a host tier that holds every expert; raise the device or host budget")
         keys = [layer * m.num_experts + e for e in experts]
         d = self.placement.access_detail(layer, keys, t)
         self.stats.requests += 1
+        self.stats.waves += d["waves"] - 1
         self.stats.hits["device"] += d["hits"]
         self.stats.hits["disk"] += len(d["from_disk"])
         self.stats.hits["host"] += len(d["misses"]) - len(d["from_disk"])
+        plan = d["wave_plan"]
+        if plan is not None:
+            keys, new, ev = plan[0]
+            started = self._apply({"device_evicted": ev, "host_evicted": [], "from_disk": [], "loaded": new},
+                                  self.demand_pool)
+            return Fetch(self, layer, experts, {k - layer * m.num_experts: f for k, f in started.items()}, plan)
         started = self._apply({**d, "loaded": d["misses"]}, self.demand_pool)
         pending = {}
         for e, k in zip(experts, keys):

@@ -145,8 +145,25 @@ def test_request_errors(store_dir):
             st.request(0, [9], 0)
         with pytest.raises(ValueError, match="layer 7 out of range"):
             st.request(7, [1], 0)
-        with pytest.raises(ValueError, match="waves are not supported"):
+    with ExpertStore(store_dir, device_budget=2 * s, host_budget=4 * s, min_experts_per_layer=2) as st:
+        with pytest.raises(ValueError, match="waves need a host tier that holds every expert"):
             st.request(0, [1, 2, 3], 0)
+
+
+def test_waves_when_a_layer_needs_more_than_the_device_tier(store_dir):
+    s = stride(store_dir)
+    with ExpertStore(store_dir, device_budget=3 * s, min_experts_per_layer=2) as st:
+        st.request(0, [0, 1], 0).wait()
+        f = st.request(0, [0, 2, 3, 4, 5, 6, 7], 1)
+        seen = []
+        for wave in f.waves():
+            assert len(wave) <= 3
+            for e in wave:
+                assert torch.equal(f.tensors(e)["up"], expert_tensors(0, e)["up"])
+                seen.append(e)
+            assert st.resident_bytes()["device"] <= 3 * s
+        assert sorted(seen) == [0, 2, 3, 4, 5, 6, 7]
+        assert st.stats.waves == 2 and st.stats.hits["device"] == 1
 
 
 def test_writer_refuses_wrong_tensors(tmp_path):

@@ -1,0 +1,271 @@
+"""Continuous batching and the decode loop: one ``step()`` that schedules, executes, then records.
+
+Scheduling: up to ``max_batch`` sequences run at once; a waiting request joins when a slot is
+free (between steps); a sequence in prefill feeds up to ``prefill_chunk`` prompt tokens per step,
+a decoding sequence one token. Execution: one forward pass over all of the step's tokens.
+Recording: per step, batch size, unique experts per MoE layer, store hits / misses per tier,
+bytes per link, time stalled waiting for experts, step time; the routing of every fed token,
+written as a trace in the ``cache_policy`` format.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model.moe import Sequence, route
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 32
+    temperature: float = 0.0          # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0: off
+    seed: "int | None" = None
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: "torch.Generator | None") -> int:
+    """logits: [vocab] float32."""
+    if p.temperature == 0:
+        return int(logits.argmax())
+    x = logits / p.temperature
+    if p.top_k:
+        kth = x.topk(min(p.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(-1)
+    if p.top_p < 1:
+        sp, si = probs.sort(descending=True)
+        keep = sp.cumsum(0) - sp < p.top_p         # the smallest prefix whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list
+    params: SamplingParams
+    output: list = field(default_factory=list)
+    seq: Sequence = field(default_factory=Sequence)
+    fed: int = 0                      # prompt tokens fed so far
+    finished: bool = False
+    finish_reason: "str | None" = None
+    gen: "torch.Generator | None" = None
+    arrival: float = 0.0
+    first_token_time: "float | None" = None
+    routing: list = field(default_factory=list)   # per fed token: [moe layers][k] expert ids
+
+
+@dataclass
+class StepRecord:
+    step: int
+    batch: int
+    tokens: int
+    unique_experts: list
+    hits: dict
+    bytes: dict
+    stall_seconds: float
+    seconds: float
+
+
+class Engine:
+    def __init__(self, model, store, *, max_batch: int = 16, prefill_chunk: int = 64, prefetch: str = "none",
+                 prefetch_budget: "int | None" = None, max_context: "int | None" = None) -> None:
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be positive")
+        self.model, self.store = model, store
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.max_context = max_context or model.cfg.max_position_embeddings
+        self.waiting: list = []
+        self.running: list = []
+        self.done: dict = {}
+        self.steps: list = []
+        self._next_id = 0
+        self._step_no = 0
+        cfg = model.cfg
+        self.prefetch = prefetch
+        self.budget = prefetch_budget or cfg.top_k
+        self.pf_stats = {"predicted": 0, "correct": 0, "needed": 0}
+        self._pred: dict = {}
+        self._pf = None
+        if prefetch in ("freq", "transition"):
+            from cache_policy.prefetch import make_prefetcher
+            self._pf = make_prefetcher(prefetch, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts)
+        elif prefetch not in ("none", "lookahead"):
+            raise ValueError(f"unknown prefetch {prefetch!r}; the live engine takes none, freq, transition or lookahead")
+        model.record = self._record
+        model.prefetch_hook = self._after_moe if prefetch != "none" else None
+        self._step_routing: list = []
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: list, params: "SamplingParams | None" = None) -> int:
+        params = params or SamplingParams()
+        if not prompt:
+            raise ValueError("prompt is empty")
+        V = self.model.cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= int(t) < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                             f"of {self.max_context} tokens")
+        r = Request(id=self._next_id, prompt=[int(t) for t in prompt], params=params, arrival=time.perf_counter())
+        if params.seed is not None:
+            r.gen = torch.Generator().manual_seed(params.seed)
+        self._next_id += 1
+        self.waiting.append(r)
+        return r.id
+
+    def abort(self, rid: int) -> None:
+        for q in (self.waiting, self.running):
+            for r in list(q):
+                if r.id == rid:
+                    q.remove(r)
+                    r.finished, r.finish_reason = True, "abort"
+                    r.seq = Sequence()     # frees its KV cache
+                    self.done[rid] = r
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- recording hooks called by the model ---------------------------------------------------
+    def _record(self, moe_idx: int, ids: torch.Tensor) -> None:
+        self._step_routing.append((moe_idx, ids.cpu().numpy()))
+
+    def _after_moe(self, m: int, used: list, x: torch.Tensor) -> None:
+        cfg, model = self.model.cfg, self.model
+        if m in self._pred:
+            got = set(self._pred.pop(m))
+            self.pf_stats["correct"] += len(got & set(used))
+            self.pf_stats["needed"] += len(used)
+        nxt = m + 1
+        if nxt >= cfg.num_moe_layers:
+            return
+        if self.prefetch == "lookahead":
+            layer = cfg.moe_layers[nxt]
+            logits = torch.nn.functional.linear(x, model.w[model._router_name(layer)])
+            ids, _ = route(logits, cfg, model.w.get(model._p(layer, "mlp.gate.e_score_correction_bias")))
+            counts = torch.bincount(ids.reshape(-1), minlength=cfg.num_experts)
+            pred = [int(e) for e in counts.argsort(descending=True)[: max(self.budget, 1)] if counts[e] > 0]
+        else:
+            self._pf.observe(m, used, None, self._step_no)
+            pred = self._pf.predict(nxt, used, self.budget)
+        self._pred[nxt] = pred
+        self.pf_stats["predicted"] += len(pred)
+        self.store.prefetch(nxt, pred, self._step_no)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list:
+        """Schedule, execute, record. Returns [(request id, new token or None, finished)]."""
+        t0 = time.perf_counter()
+        while self.waiting and len(self.running) < self.max_batch:
+            self.running.append(self.waiting.pop(0))
+        if not self.running:
+            return []
+        chunks = []
+        for r in self.running:
+            if r.fed < len(r.prompt):
+                chunks.append(r.prompt[r.fed:r.fed + self.prefill_chunk])
+            else:
+                chunks.append([r.output[-1]])
+        st = self.store.stats
+        before = (dict(st.hits), dict(st.bytes), st.stall_seconds)
+        self._step_routing = []
+        self.model.step = self._step_no
+        logits = self.model.forward([r.seq for r in self.running], chunks)
+        # Routing of this step's tokens, per request, in feed order.
+        per_layer = {}
+        for m, ids in self._step_routing:
+            per_layer[m] = ids
+        L = self.model.cfg.num_moe_layers
+        off = 0
+        for r, c in zip(self.running, chunks):
+            for j in range(len(c)):
+                r.routing.append([per_layer[m][off + j].tolist() for m in range(L)])
+            off += len(c)
+        out = []
+        finished = []
+        now = time.perf_counter()
+        for r, c, lg in zip(self.running, chunks, logits):
+            if r.fed < len(r.prompt):
+                r.fed += len(c)
+                if r.fed < len(r.prompt):
+                    out.append((r.id, None, False))
+                    continue
+            tok = sample(lg, r.params, r.gen)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.output.append(tok)
+            p = r.params
+            if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.model.cfg.eos_token_ids):
+                r.finished, r.finish_reason = True, "stop"
+            elif len(r.output) >= p.max_tokens:
+                r.finished, r.finish_reason = True, "length"
+            out.append((r.id, tok, r.finished))
+            if r.finished:
+                finished.append(r)
+        for r in finished:
+            self.running.remove(r)
+            r.seq = Sequence()
+            self.done[r.id] = r
+        self.store.end_step()
+        self.steps.append(StepRecord(
+            step=self._step_no, batch=len(chunks), tokens=sum(len(c) for c in chunks),
+            unique_experts=[int(len(np.unique(per_layer[m]))) for m in range(L)],
+            hits={k: st.hits[k] - before[0][k] for k in st.hits}, bytes={k: st.bytes[k] - before[1][k] for k in st.bytes},
+            stall_seconds=st.stall_seconds - before[2], seconds=time.perf_counter() - t0))
+        self._step_no += 1
+        return out
+
+    def run(self) -> dict:
+        while self.has_work():
+            self.step()
+        return self.done
+
+    # -- results -------------------------------------------------------------------------------
+    def trace(self):
+        """The routing of every fed token, as a cache_policy Trace (one sequence per request, by id)."""
+        from cache_policy.traces import Trace
+        reqs = [self.done[i] for i in sorted(self.done) if self.done[i].routing]
+        ids = np.array([tok for r in reqs for tok in r.routing], dtype=np.int64)   # ids: [tokens, L, k]
+        lens = [len(r.routing) for r in reqs]
+        return Trace(ids=ids, seq_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+                     num_experts=self.model.cfg.num_experts, model=self.model.cfg.model_type,
+                     layer_numbers=np.array(self.model.cfg.moe_layers))
+
+    def summary(self) -> dict:
+        steps = self.steps
+        gen = sum(len(r.output) for r in self.done.values())
+        secs = sum(s.seconds for s in steps)
+        hits = {k: sum(s.hits[k] for s in steps) for k in ("device", "host", "disk")}
+        need = sum(hits.values())
+        ttft = [r.first_token_time - r.arrival for r in self.done.values() if r.first_token_time]
+        p = self.pf_stats
+        return {"steps": len(steps), "generated_tokens": gen, "seconds": secs,
+                "tokens_per_s": gen / secs if secs else 0.0,
+                "decode_tokens_per_s": (sum(s.batch for s in steps if s.tokens == s.batch) /
+                                        max(1e-9, sum(s.seconds for s in steps if s.tokens == s.batch))),
+                "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
+                "hits": hits, "hit_rate_device": hits["device"] / need if need else None,
+                "bytes": {k: sum(s.bytes[k] for s in steps) for k in ("disk_to_host", "host_to_device")},
+                "stall_seconds": sum(s.stall_seconds for s in steps),
+                "mean_unique_experts_per_layer": float(np.mean([np.mean(s.unique_experts) for s in steps])) if steps else 0.0,
+                "prefetch": {"precision": p["correct"] / p["predicted"] if p["predicted"] else None,
+                             "recall": p["correct"] / p["needed"] if p["needed"] else None},
+                "device_is_stand_in": self.store.device_is_stand_in}

@@ -1,0 +1,137 @@
+"""Model configuration: one dataclass for every supported MoE architecture, read from a Hugging
+Face ``config.json`` and validated once."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
+
+
+@dataclass
+class MoEConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dense_intermediate: int            # dense MLP layers (and Mixtral's experts use expert_intermediate)
+    expert_intermediate: int
+    num_experts: int
+    top_k: int
+    moe_layers: list                   # model layer indices that are MoE
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    qk_norm: str = "none"              # none | head (Qwen3: per head) | full (OLMoE: over the projection)
+    router: str = "softmax_topk"       # see ROUTERS
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_intermediate: int = 0       # 0: no shared expert
+    shared_expert_gate: bool = False   # Qwen2-MoE: sigmoid gate on the shared expert
+    latent_dim: int = 0                # 0: experts run in the hidden space (else a LatentMoE projection)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: list = field(default_factory=list)
+    bos_token_id: "int | None" = None
+    source: str = "<memory>"
+
+    def __post_init__(self) -> None:
+        src = self.source
+        if self.model_type not in SUPPORTED:
+            raise ValueError(f"{src}: model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "expert_intermediate", "num_experts", "top_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{src}: {name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{src}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{src}: num_experts_per_tok {self.top_k} exceeds the {self.num_experts} experts")
+        if self.router not in ROUTERS:
+            raise ValueError(f"{src}: unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"{src}: n_group {self.n_group} / topk_group {self.topk_group} do not divide {self.num_experts} experts")
+        if not self.moe_layers:
+            raise ValueError(f"{src}: no MoE layer (check decoder_sparse_step / mlp_only_layers)")
+        if any(not 0 <= l < self.num_layers for l in self.moe_layers):
+            raise ValueError(f"{src}: MoE layer index out of range 0..{self.num_layers - 1}")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @staticmethod
+    def from_hf(model_dir: str) -> "MoEConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.exists(path):
+            raise ValueError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return MoEConfig.from_dict(d, source=path)
+
+    @staticmethod
+    def from_dict(d: dict, source: str = "<dict>") -> "MoEConfig":
+        mt = d.get("model_type")
+        if mt not in SUPPORTED:
+            raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)} "
+                             f"(DeepSeek-V3 routing is available to the model code, but its MLA attention is not yet)")
+
+        def need(*names):
+            for n in names:
+                if d.get(n) is not None:
+                    return d[n]
+            raise ValueError(f"{source}: missing config field {' / '.join(names)}")
+
+        L = int(need("num_hidden_layers"))
+        H = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or H // heads)
+        rope = d.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported yet (only default RoPE)")
+        E = int(need("num_local_experts", "num_experts"))
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(x) for x in eos])
+        common = dict(model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=H, num_layers=L, num_heads=heads,
+                      num_kv_heads=kv, head_dim=head_dim, num_experts=E, top_k=int(need("num_experts_per_tok")),
+                      rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                      max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                      eos_token_ids=eos, bos_token_id=d.get("bos_token_id"), source=source)
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (only silu / SwiGLU)")
+        if mt == "mixtral":
+            inter = int(need("intermediate_size"))
+            return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
+                             router="softmax_topk", norm_topk_prob=True)
+        if mt == "olmoe":
+            if d.get("clip_qkv") is not None:
+                raise ValueError(f"{source}: clip_qkv is not supported yet")
+            inter = int(need("intermediate_size"))
+            return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
+                             qk_norm="full", qkv_bias=bool(d.get("attention_bias", False)),
+                             norm_topk_prob=bool(d.get("norm_topk_prob", False)))
+        # qwen2_moe / qwen3_moe
+        step = int(d.get("decoder_sparse_step", 1))
+        only = set(d.get("mlp_only_layers") or [])
+        moe = [i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0]
+        kw = dict(dense_intermediate=int(need("intermediate_size")), expert_intermediate=int(need("moe_intermediate_size")),
+                  moe_layers=moe, norm_topk_prob=bool(d.get("norm_topk_prob", False)))
+        if mt == "qwen2_moe":
+            return MoEConfig(**common, **kw, qkv_bias=bool(d.get("qkv_bias", True)),
+                             shared_intermediate=int(d.get("shared_expert_intermediate_size") or 0),
+                             shared_expert_gate=bool(d.get("shared_expert_intermediate_size")))
+        return MoEConfig(**common, **kw, qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head")

@@ -1,0 +1,162 @@
+"""Hugging Face checkpoint -> tiered store (expert blobs + manifest) + dense weights.
+
+Reads ``config.json`` and ``*.safetensors`` (sharded with ``model.safetensors.index.json`` or a
+single file), tensor by tensor: an expert's three matrices are read, written as one blob, and
+dropped, so a model larger than RAM converts. Dense weights go to ``dense.safetensors``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from ..store.layout import StoreWriter
+from .config import MoEConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def expert_names(cfg: MoEConfig, layer: int, e: int) -> dict:
+    if cfg.model_type == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
+        return {"gate": p + "w1.weight", "up": p + "w3.weight", "down": p + "w2.weight"}
+    p = f"model.layers.{layer}.mlp.experts.{e}."
+    return {"gate": p + "gate_proj.weight", "up": p + "up_proj.weight", "down": p + "down_proj.weight"}
+
+
+def dense_names(cfg: MoEConfig) -> dict:
+    """Every dense tensor the model needs -> expected shape."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                    p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                    p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)})
+        if cfg.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm == "head":
+            out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        elif cfg.qk_norm == "full":
+            out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
+        if i in cfg.moe_layers:
+            out[p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else "mlp.gate.weight")] = (cfg.num_experts, H)
+            if cfg.shared_intermediate:
+                S = cfg.shared_intermediate
+                out.update({p + "mlp.shared_expert.gate_proj.weight": (S, H), p + "mlp.shared_expert.up_proj.weight": (S, H),
+                            p + "mlp.shared_expert.down_proj.weight": (H, S)})
+                if cfg.shared_expert_gate:
+                    out[p + "mlp.shared_expert_gate.weight"] = (1, H)
+        else:
+            I = cfg.dense_intermediate
+            out.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)})
+    return out
+
+
+class Checkpoint:
+    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, model_dir: str) -> None:
+        from safetensors import safe_open
+        self._safe_open = safe_open
+        self.dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    self.where = dict(json.load(f)["weight_map"])
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        else:
+            files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+            if not files:
+                raise ValueError(f"{model_dir}: no *.safetensors files")
+            self.where = {}
+            for f in files:
+                for k in self._open(f).keys():
+                    self.where[k] = f
+        self._handles = {}
+
+    def _open(self, fname: str):
+        h = getattr(self, "_handles", {}).get(fname)
+        if h is None:
+            path = os.path.join(self.dir, fname)
+            if not os.path.exists(path):
+                raise ValueError(f"{path}: shard named by the index does not exist")
+            try:
+                h = self._safe_open(path, framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad header
+                raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+            if hasattr(self, "_handles"):
+                self._handles[fname] = h
+        return h
+
+    def get(self, name: str, shape=None) -> torch.Tensor:
+        f = self.where.get(name)
+        if f is None:
+            raise ValueError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        try:
+            t = self._open(f).get_tensor(name)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - truncated data surfaces here
+            raise ValueError(f"{os.path.join(self.dir, f)}: cannot read tensor {name!r} ({e}): truncated or corrupt") from None
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{os.path.join(self.dir, f)}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        return t
+
+
+def convert(model_dir: str, out_dir: str, progress: bool = False) -> str:
+    from safetensors.torch import save_file
+    cfg = MoEConfig.from_hf(model_dir)
+    ck = Checkpoint(model_dir)
+    H, I = cfg.hidden_size, cfg.expert_intermediate
+    probe = ck.get(expert_names(cfg, cfg.moe_layers[0], 0)["gate"], (I, H))
+    dt = probe.dtype
+    writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
+                         num_experts=cfg.num_experts, specs=[("gate", (I, H), dt), ("up", (I, H), dt), ("down", (H, I), dt)],
+                         layer_numbers=cfg.moe_layers, extra={"model_type": cfg.model_type})
+    total = cfg.num_moe_layers * cfg.num_experts
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc="converting experts", unit="expert")
+    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    for m, layer in enumerate(cfg.moe_layers):
+        for e in range(cfg.num_experts):
+            names = expert_names(cfg, layer, e)
+            writer.write(m, e, {k: ck.get(n, shapes[k]) for k, n in names.items()})
+            if bar:
+                bar.update()
+    if bar:
+        bar.close()
+    writer.close()
+    dense = {n: ck.get(n, s).contiguous() for n, s in dense_names(cfg).items()}
+    save_file(dense, os.path.join(out_dir, "dense.safetensors"))
+    shutil.copy(os.path.join(model_dir, "config.json"), os.path.join(out_dir, "config.json"))
+    for f in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(model_dir, f)):
+            shutil.copy(os.path.join(model_dir, f), os.path.join(out_dir, f))
+    return out_dir
+
+
+def load_dense(store_dir: str, cfg: MoEConfig) -> dict:
+    from safetensors.torch import load_file
+    path = os.path.join(store_dir, "dense.safetensors")
+    if not os.path.exists(path):
+        raise ValueError(f"{store_dir}: no dense.safetensors; convert the model with 'tiered-moe convert'")
+    try:
+        d = load_file(path)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    for n, s in dense_names(cfg).items():
+        if n not in d:
+            raise ValueError(f"{path}: tensor {n!r} is missing")
+        if tuple(d[n].shape) != tuple(s):
+            raise ValueError(f"{path}: tensor {n!r} has shape {tuple(d[n].shape)}, expected {tuple(s)}")
+    return d

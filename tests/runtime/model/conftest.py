@@ -1,0 +1,43 @@
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference")
+
+ARCHS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=16, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                                 shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                                                                 norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                                 decoder_sparse_step=1, head_dim=16, norm_topk_prob=True,
+                                                                 mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=16, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None)),
+}
+
+
+def build_hf(name: str, out_dir: str, seed: int = 0):
+    cfg_cls, model_cls, kw = ARCHS[name]
+    C = getattr(transformers, cfg_cls)
+    M = getattr(transformers, model_cls)
+    torch.manual_seed(seed)
+    c = C(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=256, **kw)
+    m = M(c).eval()
+    # Random init is tiny; scale the weights so routing and logits are far from ties.
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" not in n:
+                p.mul_(4.0)
+    m.save_pretrained(out_dir)
+    return m
+
+
+@pytest.fixture(scope="session", params=list(ARCHS))
+def hf_model(request, tmp_path_factory):
+    from runtime.model.convert import convert
+    d = str(tmp_path_factory.mktemp(request.param))
+    ref = build_hf(request.param, os.path.join(d, "hf"))
+    convert(os.path.join(d, "hf"), os.path.join(d, "store"))
+    return request.param, ref, os.path.join(d, "hf"), os.path.join(d, "store")
