@@ -187,6 +187,67 @@ def cmd_demo(a) -> int:
     return 0
 
 
+def _budget(text, flag):
+    if text is None:
+        return None
+    from cache_policy.keys import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise CliError(f"{flag}: cannot parse {text!r}: give a size such as 512MiB or 4GiB") from None
+
+
+def cmd_convert(a) -> int:
+    from .model.convert import convert
+    convert(a.model, a.out, progress=sys.stderr.isatty())
+    from .store import Manifest
+    m = Manifest.read(a.out)
+    print(f"wrote {a.out}: {m.num_layers} MoE layers x {m.num_experts} experts, {m.blob_bytes:,} bytes per expert "
+          f"({m.num_layers * m.num_experts * m.blob_stride / 2**20:.1f} MiB of expert files) + dense.safetensors")
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from .engine import Engine, SamplingParams
+    from .model import load_model
+    from .tokenizer import Tokenizer
+    tok = Tokenizer(a.model)
+    if a.prompt_ids:
+        try:
+            prompts = [[int(x) for x in a.prompt_ids.split(",")]]
+        except ValueError:
+            raise CliError(f"--prompt-ids: {a.prompt_ids!r} is not a comma-separated list of integers") from None
+    elif a.prompt is not None:
+        prompts = [tok.encode(p) for p in a.prompt]
+    else:
+        raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
+    model, store = load_model(a.model, device_budget=_budget(a.device_budget, "--device-budget"),
+                              host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
+                              progress=sys.stderr.isatty())
+    try:
+        eng = Engine(model, store, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch)
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                seed=a.seed)
+        ids = [eng.add_request(p, params) for p in prompts]
+        eng.run()
+        for i in ids:
+            r = eng.done[i]
+            print(tok.decode(r.output) if not a.json else json.dumps({"id": i, "tokens": r.output,
+                                                                       "text": tok.decode(r.output),
+                                                                       "finish_reason": r.finish_reason}))
+        summ = eng.summary()
+        if a.trace_out:
+            eng.trace().save(a.trace_out)
+        print(json.dumps(summ) if a.json else
+              f"\n[{summ['generated_tokens']} tokens in {summ['seconds']:.2f} s, {summ['tokens_per_s']:.1f} tok/s; "
+              f"device hit rate {summ['hit_rate_device']:.3f}; stalled {summ['stall_seconds']:.3f} s; "
+              f"device tier: {'CPU memory standing in for HBM' if summ['device_is_stand_in'] else store.device}]",
+              file=sys.stderr if not a.json else sys.stdout)
+    finally:
+        store.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiered-moe", description="Tiered expert-offloading for MoE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -215,6 +276,31 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="one JSON object per line, per batch size")
     _add_synthetic_args(r)
     r.set_defaults(func=cmd_replay)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint into the tiered store layout")
+    c.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
+    c.add_argument("--out", required=True, help="store directory to write")
+    c.set_defaults(func=cmd_convert)
+
+    g = sub.add_parser("generate", help="generate text from a converted store")
+    g.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for several, decoded as a batch)")
+    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    g.add_argument("--device-budget", help="bytes of experts on the device tier, e.g. 4GiB (default: all experts)")
+    g.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
+    g.add_argument("--policy", default="lru", help="lru, lfu, freq or none")
+    g.add_argument("--scope", default="global", help="layer or global")
+    g.add_argument("--prefetch", default="none", help="none, freq, transition or lookahead")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-batch", type=int, default=16)
+    g.add_argument("--prefill-chunk", type=int, default=64)
+    g.add_argument("--trace-out", help="write the routing trace (.npz) of this run")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("trace", help="routing trace tools")
     tsub = t.add_subparsers(dest="trace_cmd", required=True)
