@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from cache_policy import cost_model as cm
@@ -154,38 +155,85 @@ def cmd_prefetch_fit(a) -> int:
     return 0
 
 
+def _default_workdir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tiered-moe", "demo")
+
+
 def cmd_demo(a) -> int:
-    """Until the live runtime lands: replay a built-in synthetic trace with real locality."""
-    spec = SyntheticSpec(num_layers=16, num_experts=64, top_k=6, num_sequences=128, seq_len=96,
-                         zipf_s=0.8, persistence=0.5, cross_layer=0.3, seed=a.seed)
-    print(f"Built-in synthetic trace: {spec.num_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
-          f"{spec.num_sequences} sequences x {spec.seq_len} tokens; Zipf skew {spec.zipf_s}, persistence "
-          f"{spec.persistence}, cross-layer {spec.cross_layer}, seed {spec.seed}.")
-    print(f"Device tier: {a.device_capacity} of all experts, scope global; host tier holds every expert; "
-          f"profile h200; experts sized as Kimi K3's latent experts (bf16).\n")
-    trace = generate(spec)
-    results = []
-    for policy, prefetch in (("none", "none"), ("lru", "none"), ("lru", "transition"), ("freq", "freq"),
-                             ("belady", "none")):
-        cfg = ReplayConfig(policy=policy, scope="global", device_capacity=a.device_capacity, prefetch=prefetch,
-                           geometry="kimi-k3")
-        results.extend(replay(trace, cfg, [1, 8, 64]))
-    results.sort(key=lambda r: (r["batch"], r["policy"], r["prefetch"]))
-    print(format_table(results))
-    print()
-    print(_footer(results))
-    print()
-    for b in (1, 8, 64):
-        rs = [r for r in results if r["batch"] == b]
-        best = max((r for r in rs if r["policy"] != "belady"), key=lambda r: r["projected_tokens_per_s"])
-        none = next(r for r in rs if r["policy"] == "none")
-        gain = best["projected_tokens_per_s"] / none["projected_tokens_per_s"]
-        print(f"batch {b:>3}: {rs[0]['unique_experts_per_layer_step']:.1f} of {spec.num_experts} experts needed per layer "
-              f"per step; best online {best['policy']}+{best['prefetch']} hits {best['hit_rate']['device']:.0%} "
-              f"-> {gain:.2f}x the tokens/s of loading on demand"
-              + (" (tiering pays)" if gain >= 1.5 else " (tiering barely pays)" if gain >= 1.1 else " (tiering stops paying)"))
+    """The main job on the embedded default: a synthetic checkpoint with real routing locality,
+    converted into the tiers and decoded at low and high batch."""
+    from .model.convert import convert
+    from .model.synthetic import SyntheticModelSpec, build_checkpoint
+    from .regimes import format_rows, run_regimes
+    from .store import Manifest
+    spec = SyntheticModelSpec(seed=a.seed)
+    hf, store = os.path.join(a.workdir, "hf"), os.path.join(a.workdir, "store")
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        print(f"building the synthetic checkpoint in {a.workdir} (first run only) ...", flush=True)
+        build_checkpoint(hf, spec)
+        convert(hf, store, progress=sys.stderr.isatty())
+    m = Manifest.read(store)
+    print(f"model: synthetic Mixtral-format MoE, {spec.num_layers} layers x {spec.num_experts} experts, top-{spec.top_k}, "
+          f"hidden {spec.hidden_size}; router locality knobs skew={spec.skew}, topics={spec.topics}, "
+          f"topic_strength={spec.topic_strength} (runtime/model/synthetic.py); {m.blob_bytes / 1e6:.2f} MB per expert")
+    batches = [1, a.high_batch]
+    configs = [("none", "none"), ("lru", "none"), ("lru", "freq")]
+    print(f"device tier: {a.device_fraction:.0%} of experts ({'CPU memory standing in for HBM' if not __import__('torch').cuda.is_available() else 'CUDA'}); "
+          f"host holds every expert; decoding {a.requests} requests x {a.max_tokens} tokens at batch {batches}\n", flush=True)
+    rows = run_regimes(store, batches=batches, configs=configs, device_fraction=a.device_fraction, requests=a.requests,
+                       prompt_len=8, max_tokens=a.max_tokens, profile="h200", geometry="kimi-k3", seed=a.seed,
+                       out_prefix=os.path.join(a.workdir, "regimes"), progress=sys.stderr.isatty())
+    print(format_rows(rows))
+    print(f"\nmeasured: this machine{' (the device tier is CPU memory, so a load is a memcpy and offloading costs little; measured tok/s mostly shows Python overhead)' if not __import__('torch').cuda.is_available() else ''}.\n"
+          f"projected: the recorded routing replayed with Kimi K3-sized bf16 experts (66 MB) on the h200 profile.\n"
+          f"table, JSON and plot: {os.path.join(a.workdir, 'regimes')}.{{json,png}}\n")
+    for b in batches:
+        rs = {r["policy"] + ("+" + r["prefetch"] if r["prefetch"] != "none" else ""): r for r in rows if r["batch"] == b}
+        best = max((v for k, v in rs.items() if k != "none"), key=lambda r: r["projected"]["tokens_per_s"])
+        gain = best["projected"]["tokens_per_s"] / rs["none"]["projected"]["tokens_per_s"]
+        verdict = "tiering pays" if gain >= 1.5 else "tiering barely pays" if gain >= 1.1 else "tiering stops paying"
+        print(f"batch {b:>3}: {best['unique_experts_per_layer_step']:.1f} of {spec.num_experts} experts needed per layer per "
+              f"step; best {best['policy']}{'+' + best['prefetch'] if best['prefetch'] != 'none' else ''} hits "
+              f"{best['hit_rate']['device']:.0%} on the device -> {gain:.2f}x the projected tokens/s of loading on "
+              f"demand ({verdict})")
     return 0
 
+
+def cmd_regimes(a) -> int:
+    from .regimes import format_rows, run_regimes
+    if bool(a.model) == bool(a.synthetic):
+        raise CliError("give exactly one of --model STORE_DIR or --synthetic GEOMETRY")
+    batches = _batches(a.batch)
+    configs = []
+    for item in a.policies.split(","):
+        p, _, pf = item.partition("+")
+        configs.append((p, pf or "none"))
+    if a.synthetic:
+        # No model: replay a synthetic trace of that geometry (the same numbers, without measuring decode).
+        if a.synthetic not in GEOMETRIES:
+            raise CliError(f"--synthetic: unknown geometry {a.synthetic!r}; choose one of {', '.join(GEOMETRIES)}")
+        L, E, k = GEOMETRIES[a.synthetic]
+        tr = generate(SyntheticSpec(num_layers=L, num_experts=E, top_k=k, num_sequences=max(batches) * 2, seq_len=64,
+                                    zipf_s=a.zipf, persistence=a.persistence, seed=a.seed))
+        results = []
+        for p, pf in configs:
+            results += replay(tr, ReplayConfig(policy=p, prefetch=pf, device_capacity=str(a.device_fraction),
+                                               profile=a.profile, geometry=a.expert_geometry), batches)
+        print(format_table(results))
+        print()
+        print(_footer(results))
+        if a.out:
+            with open(a.out + ".json", "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
+    rows = run_regimes(a.model, batches=batches, configs=configs, device_fraction=a.device_fraction,
+                       requests=a.requests, prompt_len=a.prompt_len, max_tokens=a.max_tokens, profile=a.profile,
+                       geometry=a.expert_geometry, seed=a.seed, out_prefix=a.out, progress=sys.stderr.isatty())
+    print(format_rows(rows))
+    if a.out:
+        print(f"\nwrote {a.out}.json and {a.out}.png")
+    return 0
 
 def _budget(text, flag):
     if text is None:
@@ -252,10 +300,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiered-moe", description="Tiered expert-offloading for MoE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="the main job on an embedded default: replay a built-in synthetic trace")
-    d.add_argument("--device-capacity", default="0.2")
+    d = sub.add_parser("demo", help="the main job on an embedded default: a synthetic checkpoint at low and high batch")
+    d.add_argument("--workdir", default=_default_workdir(), help="where the checkpoint, store and results go")
+    d.add_argument("--device-fraction", type=float, default=0.25)
+    d.add_argument("--high-batch", type=int, default=32)
+    d.add_argument("--requests", type=int, default=32)
+    d.add_argument("--max-tokens", type=int, default=24)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
+
+    rg = sub.add_parser("regimes", help="low-batch vs high-batch: hit rates, bytes, measured and projected tokens/s")
+    rg.add_argument("--model", help="store directory written by 'tiered-moe convert'")
+    rg.add_argument("--synthetic", help=f"no model: replay a synthetic trace of a geometry ({', '.join(GEOMETRIES)})")
+    rg.add_argument("--batch", default="1,4,16,64")
+    rg.add_argument("--policies", default="none,lru,lru+freq", help="comma-separated policy[+prefetch] items")
+    rg.add_argument("--device-fraction", type=float, default=0.25)
+    rg.add_argument("--requests", type=int, default=16)
+    rg.add_argument("--prompt-len", type=int, default=8)
+    rg.add_argument("--max-tokens", type=int, default=24)
+    rg.add_argument("--profile", default="h200")
+    rg.add_argument("--expert-geometry", default=None, help="project with this expert size instead of the model's")
+    rg.add_argument("--zipf", type=float, default=1.0)
+    rg.add_argument("--persistence", type=float, default=0.5)
+    rg.add_argument("--seed", type=int, default=0)
+    rg.add_argument("--out", default=None, help="path prefix for .json and .png")
+    rg.set_defaults(func=cmd_regimes)
 
     r = sub.add_parser("replay", help="replay a routing trace through tier placement")
     r.add_argument("--trace", help="routing trace .npz (layout: cache_policy/traces.py)")

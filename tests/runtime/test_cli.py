@@ -81,3 +81,32 @@ def test_replay_does_not_import_torch():
     code = ("import sys, runtime.cli as c; c.main(['replay','--synthetic','--sequences','2','--seq-len','4','--json']);"
             "assert 'torch' not in sys.modules, 'replay imported torch'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, timeout=120)
+
+
+def test_demo_builds_converts_and_compares_regimes(tmp_path):
+    p = cli("demo", "--workdir", str(tmp_path), "--requests", "4", "--max-tokens", "4", "--high-batch", "4")
+    assert "tiering" in p.stdout and "batch   1:" in p.stdout and "batch   4:" in p.stdout
+    rows = json.load(open(tmp_path / "regimes.json"))
+    assert {(r["policy"], r["prefetch"], r["batch"]) for r in rows} == {
+        (p, f, b) for p, f in (("none", "none"), ("lru", "none"), ("lru", "freq")) for b in (1, 4)}
+    for r in rows:
+        if r["prefetch"] == "none":
+            assert r["replayed_device_hits_equal_live"] is True
+    assert (tmp_path / "regimes.png").stat().st_size > 10_000
+    again = cli("demo", "--workdir", str(tmp_path), "--requests", "4", "--max-tokens", "4", "--high-batch", "4")
+    assert "building the synthetic checkpoint" not in again.stdout
+
+
+def test_convert_generate_roundtrip(tmp_path):
+    from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
+    build_checkpoint(str(tmp_path / "hf"), SyntheticModelSpec(num_layers=2, num_experts=8, hidden_size=32,
+                                                               intermediate_size=32, vocab_size=64, topics=4))
+    cli("convert", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "store"))
+    p = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1,2,3", "--max-tokens", "5",
+            "--device-budget", "36KiB", "--json", "--trace-out", str(tmp_path / "t.npz"))
+    out = [json.loads(x) for x in p.stdout.splitlines()]
+    assert len(out[0]["tokens"]) == 5 and out[1]["generated_tokens"] == 5
+    s = json.loads(cli("trace", "stats", str(tmp_path / "t.npz"), "--json").stdout)
+    assert s["tokens"] == 3 + 4 and s["layers"] == 2
+    bad = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1", "--device-budget", "1KiB", check=False)
+    assert bad.returncode == 2 and "the minimum is" in bad.stderr

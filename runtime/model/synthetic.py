@@ -1,0 +1,94 @@
+"""A deterministic synthetic MoE checkpoint in Hugging Face layout (Mixtral format), whose router
+has real locality - the embedded default the demo runs on.
+
+How the locality is built (the knobs):
+- ``skew``: every token embedding carries a shared direction u; router row e has the component
+  ``skew * z_e`` along u with z_e evenly spread over [-1, 1] (a random order). After RMSNorm
+  every token sees the same per-expert offset, so popularity is skewed: larger skew, hotter
+  hot experts.
+- ``topics`` and ``topic_strength``: the vocabulary is split into topics; a token's embedding
+  carries its topic's direction with weight ``topic_strength``, and each expert's router row
+  points at one topic. The LM head is the embedding matrix, so the model tends to continue
+  in the topic it is in: consecutive tokens share experts (persistence across tokens).
+- ``head_scale``: the LM head is the embedding matrix times this; smaller is softer, so sampled
+  text wanders more within (and across) topics.
+Attention and expert weights are random and small; the text is not language, the routing is
+what matters. Same arguments, same bytes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SyntheticModelSpec:
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 256
+    num_layers: int = 8
+    num_experts: int = 32
+    top_k: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    skew: float = 2.5
+    topics: int = 8
+    topic_strength: float = 2.0
+    head_scale: float = 0.15
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size % self.topics or self.num_experts % self.topics:
+            raise ValueError("synthetic model: topics must divide vocab_size and num_experts")
+        if self.top_k > self.num_experts:
+            raise ValueError("synthetic model: top_k exceeds num_experts")
+
+
+def build_checkpoint(out_dir: str, spec: SyntheticModelSpec = SyntheticModelSpec()) -> str:
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    g = torch.Generator().manual_seed(spec.seed)
+    V, H, I, L, E = spec.vocab_size, spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.num_experts
+    hd = H // spec.num_heads
+
+    def rnd(*shape, scale):
+        return torch.randn(*shape, generator=g) * scale
+
+    u = torch.nn.functional.normalize(rnd(H, scale=1.0), dim=0)
+    topic_dirs = torch.nn.functional.normalize(rnd(spec.topics, H, scale=1.0), dim=1)
+    topic_of_token = torch.arange(V) % spec.topics
+    emb = u[None, :] * 1.0 + spec.topic_strength * topic_dirs[topic_of_token] * 0.5 + rnd(V, H, scale=0.3)
+    emb = emb / emb.norm(dim=1, keepdim=True) * (H ** 0.5) * 0.1
+    # A soft LM head (the embeddings, scaled down): sampling stays mostly within the current topic.
+    w = {"model.embed_tokens.weight": emb, "lm_head.weight": emb * spec.head_scale, "model.norm.weight": torch.ones(H)}
+    topic_of_expert = torch.arange(E) % spec.topics
+    for l in range(L):
+        p = f"model.layers.{l}."
+        w[p + "input_layernorm.weight"] = torch.ones(H)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
+        w[p + "self_attn.q_proj.weight"] = rnd(H, H, scale=0.02)
+        w[p + "self_attn.k_proj.weight"] = rnd(spec.num_kv_heads * hd, H, scale=0.02)
+        w[p + "self_attn.v_proj.weight"] = rnd(spec.num_kv_heads * hd, H, scale=0.02)
+        w[p + "self_attn.o_proj.weight"] = rnd(H, H, scale=0.02)
+        z = torch.linspace(-1, 1, E)[torch.randperm(E, generator=g)]
+        gate = (spec.skew * z[:, None] * u[None, :] + spec.topic_strength * topic_dirs[topic_of_expert]
+                + rnd(E, H, scale=0.3))
+        w[p + "block_sparse_moe.gate.weight"] = gate
+        for e in range(E):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            w[q + "w1.weight"] = rnd(I, H, scale=0.02)
+            w[q + "w3.weight"] = rnd(I, H, scale=0.02)
+            w[q + "w2.weight"] = rnd(H, I, scale=0.02)
+    save_file({k: v.contiguous().float() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": V, "hidden_size": H,
+              "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": spec.num_heads,
+              "num_key_value_heads": spec.num_kv_heads, "num_local_experts": E, "num_experts_per_tok": spec.top_k,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "hidden_act": "silu",
+              "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
+              "tiered_moe_synthetic": asdict(spec)}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return out_dir

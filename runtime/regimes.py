@@ -1,0 +1,139 @@
+"""Low-batch vs high-batch, measured on a live model: the regime comparison.
+
+For each policy (and prefetcher) and batch size: decode many sequences with the engine, one token
+per sequence per step (so the recorded trace replays to exactly the live hits), and report
+unique experts per layer, hit rate per tier, bytes per token, measured tokens/s, and tokens/s
+projected on a hardware profile by replaying the recorded routing through the cost model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from cache_policy.replay import ReplayConfig, replay_batch
+
+
+def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fraction: float, requests: int,
+            prompt_len: int, max_tokens: int, profile: str, geometry: "str | None", seed: int) -> dict:
+    from .engine import Engine, SamplingParams
+    from .model import load_model
+    from .store import Manifest
+    m = Manifest.read(store_dir)
+    total = m.num_layers * m.num_experts
+    slots = max(1, int(round(device_fraction * total)))
+    model, store = load_model(store_dir, device_budget=slots * m.blob_stride, policy=policy, scope="global")
+    try:
+        eng = Engine(model, store, max_batch=batch, prefill_chunk=1, prefetch=prefetch)
+        g = torch.Generator().manual_seed(seed)
+        V = model.cfg.vocab_size
+        for i in range(max(requests, batch)):
+            eng.add_request(torch.randint(0, V, (prompt_len,), generator=g).tolist(),
+                            SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed * 100003 + i,
+                                           ignore_eos=True))
+        t0 = time.perf_counter()
+        eng.run()
+        wall = time.perf_counter() - t0
+        s = eng.summary()
+        tr = eng.trace()
+    finally:
+        store.close()
+    # The projection replays the recorded routing with the same policy and (where replay has it)
+    # the same prefetcher; lookahead needs hidden states, so its projection counts demand loads only.
+    cfg = ReplayConfig(policy=policy, prefetch=prefetch if prefetch in ("freq", "transition") else "none",
+                       scope="global", device_capacity=str(slots),
+                       profile=profile, geometry=geometry, expert_bytes=None if geometry else m.blob_bytes,
+                       dtype="bf16" if geometry else "fp32")
+    r = replay_batch(tr, cfg, batch)
+    need = sum(s["hits"].values())
+    return {
+        "batch": batch, "policy": policy, "prefetch": prefetch, "device_fraction": slots / total, "device_slots": slots,
+        "requests": max(requests, batch), "generated_tokens": s["generated_tokens"], "wall_seconds": wall,
+        "measured_tokens_per_s": s["generated_tokens"] / wall,
+        "hit_rate": {"device": s["hits"]["device"] / need, "host": 1.0 if need == s["hits"]["device"] else
+                     s["hits"]["host"] / (need - s["hits"]["device"])},
+        "replayed_device_hits_equal_live": r["hits"]["device"] == s["hits"]["device"] if prefetch == "none" else None,
+        "unique_experts_per_layer_step": r["unique_experts_per_layer_step"],
+        "bytes_per_token": {"host_to_device": s["bytes"]["host_to_device"] / max(1, tr.num_tokens)},
+        "stall_seconds": s["stall_seconds"], "prefetch_precision": s["prefetch"]["precision"],
+        "prefetch_recall": s["prefetch"]["recall"],
+        "projected": {"profile": r["profile"], "expert_bytes": r["expert_bytes"], "source": r["expert_size_source"],
+                      "tokens_per_s": r["projected"]["tokens_per_s_overlap"],
+                      "tokens_per_s_all_resident": r["projected"]["tokens_per_s_all_resident"],
+                      "note": "replay of the recorded routing through the cost model"},
+        "device_is_stand_in": s["device_is_stand_in"],
+    }
+
+
+def format_rows(rows: list) -> str:
+    head = ["batch", "policy", "prefetch", "dev %", "uniq/layer", "dev hit", "MB/tok h2d", "stall s", "tok/s measured",
+            "tok/s projected", "projected resident"]
+    out = [head]
+    for r in rows:
+        out.append([str(r["batch"]), r["policy"], r["prefetch"], f"{100 * r['device_fraction']:.0f}",
+                    f"{r['unique_experts_per_layer_step']:.1f}", f"{r['hit_rate']['device']:.3f}",
+                    f"{r['bytes_per_token']['host_to_device'] / 1e6:.2f}", f"{r['stall_seconds']:.2f}",
+                    f"{r['measured_tokens_per_s']:.1f}", f"{r['projected']['tokens_per_s']:.1f}",
+                    f"{r['projected']['tokens_per_s_all_resident']:.1f}"])
+    w = [max(len(x[i]) for x in out) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w[i]) if i >= 3 or i == 0 else c.ljust(w[i]) for i, c in enumerate(row)) for row in out]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def plot(rows: list, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    keys = sorted({(r["policy"], r["prefetch"]) for r in rows})
+    panels = [("unique experts per layer per step", lambda r: r["unique_experts_per_layer_step"]),
+              ("device hit rate", lambda r: r["hit_rate"]["device"]),
+              ("host->device MB per token", lambda r: r["bytes_per_token"]["host_to_device"] / 1e6),
+              ("tokens/s projected (solid) and measured (dashed)", lambda r: r["projected"]["tokens_per_s"])]
+    for a, (name, f) in zip(ax.flat, panels):
+        for k in keys:
+            sel = sorted((r for r in rows if (r["policy"], r["prefetch"]) == k), key=lambda r: r["batch"])
+            xs = [r["batch"] for r in sel]
+            line, = a.plot(xs, [f(r) for r in sel], marker="o", label=f"{k[0]}+{k[1]}" if k[1] != "none" else k[0])
+            if name.startswith("tokens/s"):
+                a.plot(xs, [r["measured_tokens_per_s"] for r in sel], ls="--", color=line.get_color())
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch (concurrent sequences)")
+        a.set_title(name, fontsize=10)
+        if name.startswith("tokens/s"):
+            a.set_yscale("log")
+        a.grid(alpha=0.3)
+    ax[0, 0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_regimes(store_dir: str, *, batches, configs, device_fraction: float, requests: int, prompt_len: int,
+                max_tokens: int, profile: str = "h200", geometry: "str | None" = None, seed: int = 0,
+                out_prefix: "str | None" = None, progress: bool = False) -> list:
+    rows = []
+    jobs = [(p, pf, b) for p, pf in configs for b in batches]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(jobs), desc="regimes", unit="run")
+    for p, pf, b in jobs:
+        rows.append(run_one(store_dir, batch=b, policy=p, prefetch=pf, device_fraction=device_fraction,
+                            requests=requests, prompt_len=prompt_len, max_tokens=max_tokens, profile=profile,
+                            geometry=geometry, seed=seed))
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    if out_prefix:
+        os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+        with open(out_prefix + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
+        plot(rows, out_prefix + ".png", f"{os.path.basename(os.path.abspath(store_dir))}: device tier "
+                                         f"{device_fraction:.0%} of experts; projections on {profile}")
+    return rows
