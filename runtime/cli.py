@@ -270,7 +270,7 @@ def cmd_generate(a) -> int:
     else:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
     model, store = load_model(a.model, device_budget=_budget(a.device_budget, "--device-budget"),
-                              host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
+                              kv_cache_bytes=_budget(a.kv_cache_budget, "--kv-cache-budget"), host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
                               progress=sys.stderr.isatty())
     try:
         eng = Engine(model, store, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch)
@@ -355,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for several, decoded as a batch)")
     g.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    g.add_argument("--device-budget", help="bytes of experts on the device tier, e.g. 4GiB (default: all experts)")
+    g.add_argument("--device-budget", help="device memory for dense weights + KV cache + experts, e.g. 4GiB "
+                                           "(default: everything fits)")
+    g.add_argument("--kv-cache-budget", default="0B", help="device memory reserved for the KV cache")
     g.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
     g.add_argument("--policy", default="lru", help="lru, lfu, freq or none")
     g.add_argument("--scope", default="global", help="layer or global")

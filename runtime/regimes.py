@@ -24,7 +24,7 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     m = Manifest.read(store_dir)
     total = m.num_layers * m.num_experts
     slots = max(1, int(round(device_fraction * total)))
-    model, store = load_model(store_dir, device_budget=slots * m.blob_stride, policy=policy, scope="global")
+    model, store = load_model(store_dir, expert_budget=slots * m.blob_stride, policy=policy, scope="global")
     try:
         eng = Engine(model, store, max_batch=batch, prefill_chunk=1, prefetch=prefetch)
         g = torch.Generator().manual_seed(seed)

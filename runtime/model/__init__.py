@@ -7,9 +7,15 @@ from .config import SUPPORTED, MoEConfig
 from .moe import MoEModel, Sequence, route
 
 
-def load_model(store_dir: str, *, device_budget: "int | None" = None, host_budget: "int | None" = None,
-               policy: str = "lru", scope: str = "global", device: "str | None" = None, progress: bool = False):
-    """A converted store -> (model, store). device_budget None: every expert fits on the device."""
+def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_budget: "int | None" = None,
+               kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "lru", scope: str = "global",
+               device: "str | None" = None, progress: bool = False):
+    """A converted store -> (model, store).
+
+    ``device_budget``: the whole device tier - dense weights, the KV cache reservation
+    (``kv_cache_bytes``) and expert slots; the experts get what is left. ``expert_budget``: bytes
+    of expert slots directly. Neither: every expert fits on the device. ``host_budget``: bytes of
+    expert slots in host memory (None: every expert)."""
     import torch
 
     from ..store import ExpertStore, Manifest
@@ -23,11 +29,19 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, host_budge
         raise ValueError(f"{store_dir}: the store holds {m.num_layers} MoE layers x {m.num_experts} experts {got}, "
                          f"but config.json describes {cfg.num_moe_layers} x {cfg.num_experts} {want}: "
                          f"a store of another model; convert again")
-    if device_budget is None:
-        device_budget = m.num_layers * m.num_experts * m.blob_stride
-    store = ExpertStore(store_dir, device_budget=device_budget, host_budget=host_budget, policy=policy, scope=scope,
-                        device=device, min_experts_per_layer=cfg.top_k, progress=progress)
     dense = load_dense(store_dir, cfg)
+    if device_budget is not None:
+        dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
+        need = cfg.top_k * m.blob_stride * (m.num_layers if scope == "layer" else 1)
+        expert_budget = device_budget - dense_bytes - kv_cache_bytes
+        if expert_budget < need:
+            raise ValueError(f"device budget {device_budget:,} bytes cannot hold the dense weights ({dense_bytes:,} bytes) "
+                             f"+ KV cache ({kv_cache_bytes:,} bytes) + one layer's top-{cfg.top_k} experts ({need:,} bytes): "
+                             f"the minimum is {dense_bytes + kv_cache_bytes + need:,} bytes")
+    if expert_budget is None:
+        expert_budget = m.num_layers * m.num_experts * m.blob_stride
+    store = ExpertStore(store_dir, device_budget=expert_budget, host_budget=host_budget, policy=policy, scope=scope,
+                        device=device, min_experts_per_layer=cfg.top_k, progress=progress)
     dtype = dense["model.embed_tokens.weight"].dtype
     return MoEModel(cfg, dense, store, device=store.device, dtype=dtype), store
 

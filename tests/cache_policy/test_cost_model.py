@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cache_policy import cost_model as cm
-from conftest import SHARED
+from helpers import SHARED
 from cache_policy.replay import ReplayConfig, replay_batch
 from cache_policy.traces import Trace
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, shared_trace
+from helpers import ROOT, shared_trace
 
 
 def cli(*args, check=True):
@@ -103,7 +103,7 @@ def test_convert_generate_roundtrip(tmp_path):
                                                                intermediate_size=32, vocab_size=64, topics=4))
     cli("convert", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "store"))
     p = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1,2,3", "--max-tokens", "5",
-            "--device-budget", "36KiB", "--json", "--trace-out", str(tmp_path / "t.npz"))
+            "--device-budget", "200KiB", "--json", "--trace-out", str(tmp_path / "t.npz"))
     out = [json.loads(x) for x in p.stdout.splitlines()]
     assert len(out[0]["tokens"]) == 5 and out[1]["generated_tokens"] == 5
     s = json.loads(cli("trace", "stats", str(tmp_path / "t.npz"), "--json").stdout)

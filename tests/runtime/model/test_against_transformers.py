@@ -18,7 +18,7 @@ def test_logits_and_greedy_tokens_match(hf_model, frac):
     prompt = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = ref(prompt).logits[0]                                    # want: [10, vocab]
-    model, store = load_model(store_dir, device_budget=budgets(store_dir, frac))
+    model, store = load_model(store_dir, expert_budget=budgets(store_dir, frac))
     try:
         # Every position: feed the prompt one chunk at a time and compare each last-token logit.
         s = Sequence()
@@ -42,7 +42,7 @@ def test_batched_decode_equals_alone(hf_model):
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 7, 12, 5)]
     outs = {}
     for batch in (1, 3):
-        model, store = load_model(store_dir, device_budget=budgets(store_dir, 0.25))
+        model, store = load_model(store_dir, expert_budget=budgets(store_dir, 0.25))
         try:
             eng = Engine(model, store, max_batch=batch, prefill_chunk=5)
             ids = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]

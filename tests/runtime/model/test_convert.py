@@ -78,7 +78,10 @@ def test_store_of_another_model_and_budget_minimum(hf_model, tmp_path):
         load_model(d)
     m = Manifest.read(store_dir)
     with pytest.raises(ValueError, match=f"the minimum is {2 * m.blob_stride:,} bytes"):
-        load_model(store_dir, device_budget=m.blob_stride)
+        load_model(store_dir, expert_budget=m.blob_stride)
+    dense = os.path.getsize(os.path.join(store_dir, "dense.safetensors"))
+    with pytest.raises(ValueError, match="cannot hold the dense weights .* the minimum is"):
+        load_model(store_dir, device_budget=dense // 2, kv_cache_bytes=1000)
 
 
 def test_router_variants_against_the_formula():

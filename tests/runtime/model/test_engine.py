@@ -14,7 +14,7 @@ def test_live_hits_equal_replay_of_the_recorded_trace(hf_model, scope, frac, bat
     m = Manifest.read(store_dir)
     slots = max(2, int(frac * (m.num_experts if scope == "layer" else m.num_layers * m.num_experts)))
     budget = slots * m.blob_stride * (m.num_layers if scope == "layer" else 1)
-    model, store = load_model(store_dir, device_budget=budget, scope=scope)
+    model, store = load_model(store_dir, expert_budget=budget, scope=scope)
     try:
         # One token per sequence per step: the batching the replay simulator models.
         eng = Engine(model, store, max_batch=batch, prefill_chunk=1)
