@@ -22,7 +22,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     from .convert import load_dense
     cfg = MoEConfig.from_hf(store_dir)
     m = Manifest.read(store_dir)
-    H, I = cfg.hidden_size, cfg.expert_intermediate
+    H, I = cfg.expert_in, cfg.expert_intermediate
     want = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     got = {t.name: tuple(t.shape) for t in m.tensors}
     if (m.num_layers, m.num_experts) != (cfg.num_moe_layers, cfg.num_experts) or got != want:

@@ -65,6 +65,11 @@ class MoEConfig:
             raise ValueError(f"{src}: MoE layer index out of range 0..{self.num_layers - 1}")
 
     @property
+    def expert_in(self) -> int:
+        """Width the experts read and write: the latent size with LatentMoE, else hidden."""
+        return self.latent_dim or self.hidden_size
+
+    @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
 
@@ -115,8 +120,10 @@ class MoEConfig:
             raise ValueError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (only silu / SwiGLU)")
         if mt == "mixtral":
             inter = int(need("intermediate_size"))
+            # tiered-moe extension: "moe_latent_size" puts a LatentMoE projection (Kimi K3) around
+            # the experts; experts then run in the latent space.
             return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
-                             router="softmax_topk", norm_topk_prob=True)
+                             router="softmax_topk", norm_topk_prob=True, latent_dim=int(d.get("moe_latent_size") or 0))
         if mt == "olmoe":
             if d.get("clip_qkv") is not None:
                 raise ValueError(f"{source}: clip_qkv is not supported yet")

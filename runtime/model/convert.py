@@ -46,6 +46,9 @@ def dense_names(cfg: MoEConfig) -> dict:
             out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
         if i in cfg.moe_layers:
             out[p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else "mlp.gate.weight")] = (cfg.num_experts, H)
+            if cfg.latent_dim:
+                out[p + "block_sparse_moe.latent_down.weight"] = (cfg.latent_dim, H)
+                out[p + "block_sparse_moe.latent_up.weight"] = (H, cfg.latent_dim)
             if cfg.shared_intermediate:
                 S = cfg.shared_intermediate
                 out.update({p + "mlp.shared_expert.gate_proj.weight": (S, H), p + "mlp.shared_expert.up_proj.weight": (S, H),
@@ -115,7 +118,7 @@ def convert(model_dir: str, out_dir: str, progress: bool = False) -> str:
     from safetensors.torch import save_file
     cfg = MoEConfig.from_hf(model_dir)
     ck = Checkpoint(model_dir)
-    H, I = cfg.hidden_size, cfg.expert_intermediate
+    H, I = cfg.expert_in, cfg.expert_intermediate
     probe = ck.get(expert_names(cfg, cfg.moe_layers[0], 0)["gate"], (I, H))
     dt = probe.dtype
     writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,

@@ -142,15 +142,20 @@ class MoEModel:
         wts = wts.to(self.dtype)
         used = torch.unique(ids).tolist()
         fetch = self.experts.request(m, used, self.step)
-        out = torch.zeros_like(x)
+        xin = x
+        if cfg.latent_dim:   # LatentMoE: experts run in a smaller latent space
+            xin = F.linear(x, self.w[self._p(i, "block_sparse_moe.latent_down.weight")])   # xin: [tokens, latent]
+        out = torch.zeros_like(xin)
         # Resident experts first while misses stream in; in waves when they do not all fit.
         for wave in fetch.waves():
             for e in wave:
                 t = fetch.tensors(e)
                 tok, slot = (ids == e).nonzero(as_tuple=True)           # tokens routed to e
-                xe = x[tok]                                              # xe: [n, hidden]
+                xe = xin[tok]                                            # xe: [n, hidden or latent]
                 h = F.silu(F.linear(xe, t["gate"])) * F.linear(xe, t["up"])
                 out.index_add_(0, tok, F.linear(h, t["down"]) * wts[tok, slot, None])
+        if cfg.latent_dim:
+            out = F.linear(out, self.w[self._p(i, "block_sparse_moe.latent_up.weight")])
         if cfg.shared_intermediate:
             sh = self._mlp(self._p(i, "mlp.shared_expert."), x)
             if cfg.shared_expert_gate:

@@ -38,6 +38,7 @@ class SyntheticModelSpec:
     topics: int = 8
     topic_strength: float = 2.0
     head_scale: float = 0.15
+    latent_size: int = 0   # > 0: a LatentMoE projection (Kimi K3) around the experts
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,11 +78,15 @@ def build_checkpoint(out_dir: str, spec: SyntheticModelSpec = SyntheticModelSpec
         gate = (spec.skew * z[:, None] * u[None, :] + spec.topic_strength * topic_dirs[topic_of_expert]
                 + rnd(E, H, scale=0.3))
         w[p + "block_sparse_moe.gate.weight"] = gate
+        X = spec.latent_size or H
+        if spec.latent_size:
+            w[p + "block_sparse_moe.latent_down.weight"] = rnd(X, H, scale=H ** -0.5)
+            w[p + "block_sparse_moe.latent_up.weight"] = rnd(H, X, scale=X ** -0.5)
         for e in range(E):
             q = f"{p}block_sparse_moe.experts.{e}."
-            w[q + "w1.weight"] = rnd(I, H, scale=0.02)
-            w[q + "w3.weight"] = rnd(I, H, scale=0.02)
-            w[q + "w2.weight"] = rnd(H, I, scale=0.02)
+            w[q + "w1.weight"] = rnd(I, X, scale=0.02)
+            w[q + "w3.weight"] = rnd(I, X, scale=0.02)
+            w[q + "w2.weight"] = rnd(X, I, scale=0.02)
     save_file({k: v.contiguous().float() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
     config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": V, "hidden_size": H,
               "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": spec.num_heads,
@@ -89,6 +94,8 @@ def build_checkpoint(out_dir: str, spec: SyntheticModelSpec = SyntheticModelSpec
               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "hidden_act": "silu",
               "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
               "tiered_moe_synthetic": asdict(spec)}
+    if spec.latent_size:
+        config["moe_latent_size"] = spec.latent_size
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return out_dir

@@ -233,14 +233,18 @@ class ExpertStore:
         return {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
                 for ts in self.m.tensors}
 
-    def _move(self, key: int, from_disk: bool) -> None:
-        """Runs on a worker thread: disk -> host slot (if needed) -> device slot."""
+    def _move(self, key: int, from_disk: bool, after=None) -> None:
+        """Runs on a worker thread: disk -> host slot (if needed) -> device slot. ``after``: a CUDA
+        event recorded when the slot was handed over; compute queued before it may still read
+        the slot's previous expert, so the copy waits for it."""
         E = self.m.num_experts
         hslot = self.host.slot_of[key]
         if from_disk:
             self.disk.read_into(key // E, key % E, self.host.data[hslot].numpy(), self.verify)
         dst = self.dev.data[self.dev.slot_of[key]]
         if self.copy_stream is not None:
+            if after is not None:
+                self.copy_stream.wait_event(after)
             with torch.cuda.stream(self.copy_stream):
                 dst.copy_(self.host.data[hslot], non_blocking=True)
             self.copy_stream.synchronize()
@@ -257,11 +261,15 @@ class ExpertStore:
             self.host.release(k)
         from_disk = set(d["from_disk"])
         started = {}
+        handover = None
+        if self.copy_stream is not None and d["loaded"]:
+            handover = torch.cuda.Event()
+            handover.record(torch.cuda.current_stream(self.device))
         for k in d["loaded"]:
             if k in from_disk:
                 self.host.alloc(k)
             self.dev.alloc(k)
-            fut = pool.submit(self._move, k, k in from_disk)
+            fut = pool.submit(self._move, k, k in from_disk, handover)
             self.inflight[k] = fut
             started[k] = fut
         nbytes = self.m.blob_bytes
