@@ -20,12 +20,12 @@ projection is then an upper bound on tokens/s).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
+from .jsonfile import read_json
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 
@@ -107,11 +107,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
                              f"or give the path of a JSON file")
     if not os.path.exists(path):
         raise ValueError(f"hardware profile file {path!r} does not exist")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    d = read_json(path)
     need = ["host_to_device_GBps_by_copy_MiB", "disk_to_host_GBps", "expert_compute_us_by_tokens", "reference_expert"]
     missing = [k for k in need if k not in d]
     if missing:

@@ -138,7 +138,7 @@ class Engine:
                 if r.id == rid:
                     q.remove(r)
                     r.finished, r.finish_reason = True, "abort"
-                    r.seq = Sequence()     # frees its KV cache
+                    self.model.release(r.seq)     # frees its KV slot
                     self.done[rid] = r
 
     def has_work(self) -> bool:
@@ -222,7 +222,7 @@ class Engine:
                 finished.append(r)
         for r in finished:
             self.running.remove(r)
-            r.seq = Sequence()
+            self.model.release(r.seq)
             self.done[r.id] = r
         self.store.end_step()
         self.steps.append(StepRecord(

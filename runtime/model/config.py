@@ -2,9 +2,9 @@
 Face ``config.json`` and validated once."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
+from cache_policy.jsonfile import read_json
 
 SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
@@ -78,11 +78,7 @@ class MoEConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.exists(path):
             raise ValueError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        d = read_json(path)
         return MoEConfig.from_dict(d, source=path)
 
     @staticmethod

@@ -8,7 +8,7 @@ expert, embeddings) stay in memory.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,10 +57,53 @@ def route(logits: torch.Tensor, cfg: MoEConfig, bias: "torch.Tensor | None" = No
 
 @dataclass
 class Sequence:
-    """One sequence's KV cache: per layer k, v as [kv_heads, tokens, head_dim]."""
+    """One sequence: tokens fed so far and its slot in the model's KV arena (None until it runs)."""
 
-    kv: list = field(default_factory=list)
     length: int = 0
+    slot: "int | None" = None
+
+
+class KVArena:
+    """The KV cache of every running sequence: k and v as [layers, slots, kv_heads, capacity,
+    head_dim], preallocated and grown by doubling, so a decode step appends all sequences'
+    keys with one indexed write per layer and attends in one batched product."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+        self.shape = (layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k = torch.zeros(layers, 0, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.v = self.k.clone()
+        self.free: list = []
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def _resize(self, slots: int, cap: int) -> None:
+        L, kv, hd = self.shape
+        k = torch.zeros(L, slots, kv, cap, hd, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        k[:, : self.slots, :, : self.capacity] = self.k
+        v[:, : self.slots, :, : self.capacity] = self.v
+        self.k, self.v = k, v
+
+    def alloc(self) -> int:
+        if not self.free:
+            old = self.slots
+            self._resize(max(4, 2 * old), max(self.capacity, 16))
+            self.free = list(range(self.slots - 1, old - 1, -1))
+        return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def reserve(self, cap: int) -> None:
+        if cap > self.capacity:
+            self._resize(self.slots, max(cap, 2 * self.capacity))
 
 
 class MoEModel:
@@ -73,6 +116,13 @@ class MoEModel:
         self.step = 0                     # placement time; the engine advances it once per step
         self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
         self.prefetch_hook = None         # callable(moe_idx, ids, hidden) after each MoE layer
+        self.kv = KVArena(cfg.num_layers, cfg.num_kv_heads, hd, dtype, device)
+
+    def release(self, seq: Sequence) -> None:
+        """Free a finished sequence's KV slot."""
+        if seq.slot is not None:
+            self.kv.release(seq.slot)
+            seq.slot = None
 
     # -- names of the dense tensors -----------------------------------------------------------
     def _p(self, i: int, name: str) -> str:
@@ -103,28 +153,40 @@ class MoEModel:
         if cfg.qk_norm == "head":
             q = rms_norm(q, w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
             k = rms_norm(k, w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
+        rep = nh // nkv
+        K, V = self.kv.k[i], self.kv.v[i]                                # [slots, kv, cap, hd]
+        if all(b - a == 1 for a, b in spans):
+            # Decode: one token per sequence - one write and one batched product for all of them.
+            B = len(seqs)
+            pos = torch.tensor([s.length for s in seqs], device=x.device)
+            sl = torch.tensor([s.slot for s in seqs], device=x.device)
+            cos, sin = self._rope(pos)                                   # [B, hd]
+            q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+            K[sl, :, pos] = k                                            # k: [B, kv, hd]
+            V[sl, :, pos] = v
+            n = int(pos.max()) + 1
+            kk, vv = K[sl, :, :n], V[sl, :, :n]                          # [B, kv, n, hd]
+            att = torch.einsum("bgrd,bgtd->bgrt", q.view(B, nkv, rep, hd), kk) / math.sqrt(hd)
+            mask = torch.arange(n, device=x.device)[None, :] <= pos[:, None]   # mask: [B, n]
+            att = att.masked_fill(~mask[:, None, None, :], float("-inf")).float().softmax(-1).to(self.dtype)
+            out = torch.einsum("bgrt,bgtd->bgrd", att, vv).reshape(B, nh * hd)
+            return F.linear(out, w[self._p(i, "self_attn.o_proj.weight")])
         out = torch.empty_like(q)
         for s, (a, b) in zip(seqs, spans):
-            pos = torch.arange(s.length, s.length + (b - a), device=x.device)
-            cos, sin = self._rope(pos)
+            p0, n_new = s.length, b - a
+            cos, sin = self._rope(torch.arange(p0, p0 + n_new, device=x.device))
             qs = q[a:b] * cos[:, None] + rotate_half(q[a:b]) * sin[:, None]
             ks = k[a:b] * cos[:, None] + rotate_half(k[a:b]) * sin[:, None]
-            ks, vs = ks.transpose(0, 1), v[a:b].transpose(0, 1)           # [kv_heads, new, hd]
-            if len(s.kv) > i:
-                pk, pv = s.kv[i]
-                ks, vs = torch.cat([pk, ks], 1), torch.cat([pv, vs], 1)
-                s.kv[i] = (ks, vs)
-            else:
-                s.kv.append((ks, vs))
-            rep = nh // nkv
-            kk = ks.repeat_interleave(rep, 0)                            # kk: [heads, ctx, hd]
-            vv = vs.repeat_interleave(rep, 0)
-            qq = qs.transpose(0, 1)                                      # qq: [heads, new, hd]
-            att = (qq @ kk.transpose(1, 2)) / math.sqrt(hd)              # att: [heads, new, ctx]
-            n_new, ctx = b - a, kk.shape[1]
-            causal = torch.arange(ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + ctx - n_new)
+            K[s.slot, :, p0:p0 + n_new] = ks.transpose(0, 1)
+            V[s.slot, :, p0:p0 + n_new] = v[a:b].transpose(0, 1)
+            ctx = p0 + n_new
+            kk, vv = K[s.slot, :, :ctx], V[s.slot, :, :ctx]              # [kv, ctx, hd]
+            qq = qs.transpose(0, 1).reshape(nkv, rep, n_new, hd)         # qq: [kv, rep, new, hd]
+            att = (qq @ kk[:, None].transpose(2, 3)) / math.sqrt(hd)     # att: [kv, rep, new, ctx]
+            causal = torch.arange(ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
             att = att.masked_fill(~causal, float("-inf")).float().softmax(-1).to(self.dtype)
-            out[a:b] = (att @ vv).transpose(0, 1)
+            out[a:b] = (att @ vv[:, None]).reshape(nh, n_new, hd).transpose(0, 1)
         return F.linear(out.reshape(-1, nh * hd), w[self._p(i, "self_attn.o_proj.weight")])
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
@@ -145,15 +207,28 @@ class MoEModel:
         xin = x
         if cfg.latent_dim:   # LatentMoE: experts run in a smaller latent space
             xin = F.linear(x, self.w[self._p(i, "block_sparse_moe.latent_down.weight")])   # xin: [tokens, latent]
-        out = torch.zeros_like(xin)
+        # Tokens sorted by expert once, so each expert reads a contiguous slice.
+        T, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // k                                                 # token of each sorted slot
+        off = [0] + torch.bincount(flat, minlength=cfg.num_experts).cumsum(0).tolist()
+        xs = xin[tok]                                                    # xs: [T*k, hidden or latent]
+        I = cfg.expert_intermediate
+        ys = torch.empty_like(xs)
         # Resident experts first while misses stream in; in waves when they do not all fit.
         for wave in fetch.waves():
             for e in wave:
                 t = fetch.tensors(e)
-                tok, slot = (ids == e).nonzero(as_tuple=True)           # tokens routed to e
-                xe = xin[tok]                                            # xe: [n, hidden or latent]
-                h = F.silu(F.linear(xe, t["gate"])) * F.linear(xe, t["up"])
-                out.index_add_(0, tok, F.linear(h, t["down"]) * wts[tok, slot, None])
+                a, b = off[e], off[e + 1]
+                gu = t.get("gate_up")
+                if gu is not None:
+                    h = F.linear(xs[a:b], gu)                              # h: [n, 2I] = gate | up
+                    h = F.silu(h[:, :I]) * h[:, I:]
+                else:
+                    h = F.silu(F.linear(xs[a:b], t["gate"])) * F.linear(xs[a:b], t["up"])
+                ys[a:b] = F.linear(h, t["down"])
+        out = torch.zeros_like(xin).index_add_(0, tok, ys * wts.reshape(-1)[order, None])
         if cfg.latent_dim:
             out = F.linear(out, self.w[self._p(i, "block_sparse_moe.latent_up.weight")])
         if cfg.shared_intermediate:
@@ -175,6 +250,10 @@ class MoEModel:
         for c in chunks:
             spans.append((a, a + len(c)))
             a += len(c)
+        for sq, c in zip(seqs, chunks):
+            if sq.slot is None:
+                sq.slot = self.kv.alloc()
+        self.kv.reserve(max(sq.length + len(c) for sq, c in zip(seqs, chunks)))
         x = w["model.embed_tokens.weight"][torch.tensor(flat, device=self.device)]  # x: [tokens, hidden]
         for i in range(cfg.num_layers):
             h = rms_norm(x, w[self._p(i, "input_layernorm.weight")], cfg.rms_norm_eps)

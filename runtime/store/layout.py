@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from cache_policy.jsonfile import read_json
 
 FORMAT = "tiered-moe-store"
 VERSION = 1
@@ -44,7 +45,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        return int(np.prod(self.shape)) * _DTYPES[self.dtype].itemsize
 
 
 @dataclass
@@ -86,11 +87,7 @@ class Manifest:
             raise ValueError(f"store directory {store_dir!r} does not exist")
         if not os.path.exists(path):
             raise ValueError(f"{store_dir}: not a tiered-moe store (no manifest.json); convert a model first")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        d = read_json(path)
         if d.get("format") != FORMAT:
             raise ValueError(f"{path}: format {d.get('format')!r} is not {FORMAT!r}")
         if d.get("version") != VERSION:

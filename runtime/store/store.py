@@ -194,6 +194,7 @@ class ExpertStore:
         self.dev = Slab(n_dev, stride, self.device, pin=False)
         self.host = Slab(n_host, stride, "cpu", pin=cuda)
         self.disk = DiskTier(store_dir, m, direct=direct_io)
+        self._slot_views: dict = {}
         self.verify = verify
         self.stats = StoreStats()
         self.inflight: dict = {}      # key -> Future of its device copy
@@ -229,9 +230,18 @@ class ExpertStore:
         self.stats.bytes["disk_to_host"] += len(keys) * m.blob_bytes
 
     def _views(self, key: int) -> dict:
-        blob = self.dev.data[self.dev.slot_of[key]]
-        return {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
-                for ts in self.m.tensors}
+        slot = self.dev.slot_of[key]
+        v = self._slot_views.get(slot)
+        if v is None:   # views of a slot stay valid while its bytes change: build them once
+            blob = self.dev.data[slot]
+            v = self._slot_views[slot] = {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
+                                          for ts in self.m.tensors}
+            spec = {ts.name: ts for ts in self.m.tensors}
+            g, u = spec.get("gate"), spec.get("up")
+            if g and u and u.offset == g.offset + g.nbytes and g.shape == u.shape and g.dtype == u.dtype:
+                # gate and up lie back to back in the blob: one [2I, H] matrix, one matmul for both.
+                v["gate_up"] = blob[g.offset:u.offset + u.nbytes].view(_DTYPES[g.dtype]).view(2 * g.shape[0], g.shape[1])
+        return v
 
     def _move(self, key: int, from_disk: bool, after=None) -> None:
         """Runs on a worker thread: disk -> host slot (if needed) -> device slot. ``after``: a CUDA
