@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -164,7 +165,7 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     wants = factory().wants if cfg.policy != "belady" else "next_use"
     aux_all = groups.weight if wants == "weights" else (groups.next_use() if wants == "next_use" else None)
     weights_all = groups.weight if pf is not None else None
-    rec: list = []                # flat, per group: device hits, host hits, disk loads, waves, prefetch used
+    rec = array("q")              # flat, per group: device hits, host hits, disk loads, waves, prefetch used
     pref = np.zeros((G + 1, 2), dtype=np.int64)   # prefetch loads landing for group g: (from host, from disk)
     pred = [0, 0, 0]              # predicted & needed, predicted, needed
     ptr = groups.ptr.tolist()
@@ -185,7 +186,7 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     pred_hit, pred_n, pred_need = pred
     wall = time.perf_counter() - t_start
 
-    R = np.array(rec, dtype=np.int64).reshape(G, 5)
+    R = np.frombuffer(rec, dtype=np.int64).reshape(G, 5)
     dev_hits, host_hits, disk, waves, used = R.T
     pref = pref[:G]
     sizes = np.diff(groups.ptr)
@@ -201,8 +202,13 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     disk_experts = dk + int(pref[:, 1].sum())
 
     prof = cfg._profile
-    gid = np.repeat(np.arange(G), sizes)
-    compute = np.bincount(gid, weights=prof.compute_seconds(groups.count, params), minlength=G)
+    # Compute time of an expert depends only on its token count (at most the batch): look it up.
+    per_count = prof.compute_seconds(np.arange(int(groups.count.max()) + 1), params)
+    if (groups.count == 1).all():
+        compute = sizes * per_count[1]
+    else:
+        gid = np.repeat(np.arange(G), sizes)
+        compute = np.bincount(gid, weights=per_count[groups.count], minlength=G)
     demand_h2d = sizes - dev_hits
     times = cm.project_step_times(profile=prof, params=params, nbytes=nbytes, num_layers=L, compute_s=compute,
                                   demand_h2d=demand_h2d, demand_disk=disk, pref_h2d=pref.sum(1), pref_disk=pref[:, 1])

@@ -117,6 +117,10 @@ class MoEModel:
         self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
         self.prefetch_hook = None         # callable(moe_idx, ids, hidden) after each MoE layer
         self.kv = KVArena(cfg.num_layers, cfg.num_kv_heads, hd, dtype, device)
+        w = self.w
+        self.qkv_w = [torch.cat([w[self._p(i, f"self_attn.{n}_proj.weight")] for n in "qkv"]) for i in range(cfg.num_layers)]
+        self.qkv_b = [torch.cat([w[self._p(i, f"self_attn.{n}_proj.bias")] for n in "qkv"]) if cfg.qkv_bias else None
+                      for i in range(cfg.num_layers)]
 
     def release(self, seq: Sequence) -> None:
         """Free a finished sequence's KV slot."""
@@ -141,9 +145,8 @@ class MoEModel:
         """x: [tokens, hidden], tokens of several sequences back to back (spans: (start, end))."""
         cfg, w = self.cfg, self.w
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        q = F.linear(x, w[self._p(i, "self_attn.q_proj.weight")], w.get(self._p(i, "self_attn.q_proj.bias")))
-        k = F.linear(x, w[self._p(i, "self_attn.k_proj.weight")], w.get(self._p(i, "self_attn.k_proj.bias")))
-        v = F.linear(x, w[self._p(i, "self_attn.v_proj.weight")], w.get(self._p(i, "self_attn.v_proj.bias")))
+        # One matmul for q, k and v (their weights concatenated once at load).
+        q, k, v = F.linear(x, self.qkv_w[i], self.qkv_b[i]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         if cfg.qk_norm == "full":
             q = rms_norm(q, w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
             k = rms_norm(k, w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
@@ -153,7 +156,6 @@ class MoEModel:
         if cfg.qk_norm == "head":
             q = rms_norm(q, w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
             k = rms_norm(k, w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
-        rep = nh // nkv
         K, V = self.kv.k[i], self.kv.v[i]                                # [slots, kv, cap, hd]
         if all(b - a == 1 for a, b in spans):
             # Decode: one token per sequence - one write and one batched product for all of them.
@@ -167,10 +169,9 @@ class MoEModel:
             V[sl, :, pos] = v
             n = int(pos.max()) + 1
             kk, vv = K[sl, :, :n], V[sl, :, :n]                          # [B, kv, n, hd]
-            att = torch.einsum("bgrd,bgtd->bgrt", q.view(B, nkv, rep, hd), kk) / math.sqrt(hd)
             mask = torch.arange(n, device=x.device)[None, :] <= pos[:, None]   # mask: [B, n]
-            att = att.masked_fill(~mask[:, None, None, :], float("-inf")).float().softmax(-1).to(self.dtype)
-            out = torch.einsum("bgrt,bgtd->bgrd", att, vv).reshape(B, nh * hd)
+            out = F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask[:, None, None, :],
+                                                 enable_gqa=True).reshape(B, nh * hd)
             return F.linear(out, w[self._p(i, "self_attn.o_proj.weight")])
         out = torch.empty_like(q)
         for s, (a, b) in zip(seqs, spans):
@@ -182,11 +183,10 @@ class MoEModel:
             V[s.slot, :, p0:p0 + n_new] = v[a:b].transpose(0, 1)
             ctx = p0 + n_new
             kk, vv = K[s.slot, :, :ctx], V[s.slot, :, :ctx]              # [kv, ctx, hd]
-            qq = qs.transpose(0, 1).reshape(nkv, rep, n_new, hd)         # qq: [kv, rep, new, hd]
-            att = (qq @ kk[:, None].transpose(2, 3)) / math.sqrt(hd)     # att: [kv, rep, new, ctx]
             causal = torch.arange(ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
-            att = att.masked_fill(~causal, float("-inf")).float().softmax(-1).to(self.dtype)
-            out[a:b] = (att @ vv[:, None]).reshape(nh, n_new, hd).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kk[None], vv[None], attn_mask=causal,
+                                               enable_gqa=True)                 # o: [1, heads, new, hd]
+            out[a:b] = o[0].transpose(0, 1)
         return F.linear(out.reshape(-1, nh * hd), w[self._p(i, "self_attn.o_proj.weight")])
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +228,10 @@ class MoEModel:
                 else:
                     h = F.silu(F.linear(xs[a:b], t["gate"])) * F.linear(xs[a:b], t["up"])
                 ys[a:b] = F.linear(h, t["down"])
-        out = torch.zeros_like(xin).index_add_(0, tok, ys * wts.reshape(-1)[order, None])
+        # Back to (token, slot) order, then sum each token's k expert outputs (cheaper than index_add_ on CPU).
+        y = torch.empty_like(ys)
+        y[order] = ys * wts.reshape(-1)[order, None]
+        out = y.view(T, k, -1).sum(1)
         if cfg.latent_dim:
             out = F.linear(out, self.w[self._p(i, "block_sparse_moe.latent_up.weight")])
         if cfg.shared_intermediate:
