@@ -61,56 +61,81 @@ def dense_names(cfg: MoEConfig) -> dict:
     return out
 
 
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+
+
 class Checkpoint:
-    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+    """Tensors of a (possibly sharded) safetensors checkpoint, read one at a time with pread.
+
+    Not memory-mapped: a converted tensor's pages do not stay in the process, so converting a
+    model larger than RAM keeps the resident set to about one expert. The format is the
+    safetensors one: 8-byte little-endian header length, a JSON header of dtype, shape and
+    data offsets, then the data."""
 
     def __init__(self, model_dir: str) -> None:
-        from safetensors import safe_open
-        self._safe_open = safe_open
         self.dir = model_dir
+        self._headers: dict = {}
         index = os.path.join(model_dir, "model.safetensors.index.json")
         if os.path.exists(index):
             try:
                 with open(index) as f:
                     self.where = dict(json.load(f)["weight_map"])
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a safetensors index ({e})") from None
         else:
             files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
             if not files:
                 raise ValueError(f"{model_dir}: no *.safetensors files")
-            self.where = {}
-            for f in files:
-                for k in self._open(f).keys():
-                    self.where[k] = f
-        self._handles = {}
+            self.where = {k: f for f in files for k in self._header(f)[0] if k != "__metadata__"}
 
-    def _open(self, fname: str):
-        h = getattr(self, "_handles", {}).get(fname)
+    def _header(self, fname: str):
+        h = self._headers.get(fname)
         if h is None:
             path = os.path.join(self.dir, fname)
             if not os.path.exists(path):
                 raise ValueError(f"{path}: shard named by the index does not exist")
-            try:
-                h = self._safe_open(path, framework="pt")
-            except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad header
-                raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-            if hasattr(self, "_handles"):
-                self._handles[fname] = h
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+                if n <= 0 or 8 + n > size:
+                    raise ValueError(f"{path}: not a readable safetensors file (bad header length)")
+                try:
+                    meta = json.loads(f.read(n))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ValueError(f"{path}: not a readable safetensors file (header: {e})") from None
+            h = self._headers[fname] = (meta, 8 + n, size)
         return h
 
     def get(self, name: str, shape=None) -> torch.Tensor:
         f = self.where.get(name)
         if f is None:
             raise ValueError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        try:
-            t = self._open(f).get_tensor(name)
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001 - truncated data surfaces here
-            raise ValueError(f"{os.path.join(self.dir, f)}: cannot read tensor {name!r} ({e}): truncated or corrupt") from None
+        path = os.path.join(self.dir, f)
+        meta, base, size = self._header(f)
+        info = meta.get(name)
+        if info is None:
+            raise ValueError(f"{path}: tensor {name!r} is missing (the index names this file)")
+        dt = _ST_DTYPES.get(info.get("dtype"))
+        if dt is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        a, b = info["data_offsets"]
+        want = int(torch.Size(info["shape"]).numel()) * dt.itemsize
+        if b - a != want:
+            raise ValueError(f"{path}: tensor {name!r} header is inconsistent ({b - a} bytes for shape {info['shape']})")
+        if base + b > size:
+            raise ValueError(f"{path}: cannot read tensor {name!r}: the file ends at {size} bytes, the tensor at "
+                             f"{base + b}: truncated")
+        buf = bytearray(b - a)
+        with open(path, "rb") as fh:
+            n = os.preadv(fh.fileno(), [buf], base + a)
+        if n != len(buf):
+            raise ValueError(f"{path}: short read of tensor {name!r}: truncated")
+        t = torch.frombuffer(buf, dtype=dt).reshape(info["shape"]) if buf else torch.empty(info["shape"], dtype=dt)
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{os.path.join(self.dir, f)}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         return t
 
 

@@ -109,7 +109,10 @@ class KVArena:
 class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32) -> None:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
-        self.w = {k: v.to(device=device, dtype=dtype) for k, v in dense.items()}
+        # Takes ownership of `dense` (converted in place) so replaced tensors are freed at once.
+        for k in list(dense):
+            dense[k] = dense[k].to(device=device, dtype=dtype)
+        self.w = dense
         hd = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float().to(device) / hd))
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
@@ -118,9 +121,11 @@ class MoEModel:
         self.prefetch_hook = None         # callable(moe_idx, ids, hidden) after each MoE layer
         self.kv = KVArena(cfg.num_layers, cfg.num_kv_heads, hd, dtype, device)
         w = self.w
-        self.qkv_w = [torch.cat([w[self._p(i, f"self_attn.{n}_proj.weight")] for n in "qkv"]) for i in range(cfg.num_layers)]
-        self.qkv_b = [torch.cat([w[self._p(i, f"self_attn.{n}_proj.bias")] for n in "qkv"]) if cfg.qkv_bias else None
-                      for i in range(cfg.num_layers)]
+        self.qkv_w, self.qkv_b = [], []
+        for i in range(cfg.num_layers):   # concatenated copies replace q, k, v: one copy in memory
+            self.qkv_w.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.weight")) for n in "qkv"]))
+            self.qkv_b.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.bias")) for n in "qkv"])
+                              if cfg.qkv_bias else None)
 
     def release(self, seq: Sequence) -> None:
         """Free a finished sequence's KV slot."""
