@@ -60,3 +60,10 @@ def test_step_time_formula_by_hand(tmp_path):
     assert r["projected"]["step_ms_overlap"] == pytest.approx(np.mean(overlap) * 1e3)
     assert r["projected"]["tokens_per_s_serial"] == pytest.approx(2 / sum(serial))
     assert r["bytes_per_token"]["host_to_device"] == pytest.approx(3 * 1e6 / 2)
+
+
+def test_shipped_cpu_profile_loads_and_is_used_by_replay(flame_trace):
+    prof = cm.load_profile("cpu")
+    assert prof.disk_GBps > 0 and prof.h2d_GBps(17 * 2**20) > 0
+    r = replay_batch(flame_trace, ReplayConfig(profile="cpu", device_capacity="0.2"), 1)
+    assert r["profile"] == "cpu" and r["projected_tokens_per_s"] > 0
