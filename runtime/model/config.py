@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from cache_policy.jsonfile import read_json
 
-SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 
 
@@ -36,6 +36,15 @@ class MoEConfig:
     shared_intermediate: int = 0       # 0: no shared expert
     shared_expert_gate: bool = False   # Qwen2-MoE: sigmoid gate on the shared expert
     latent_dim: int = 0                # 0: experts run in the hidden space (else a LatentMoE projection)
+    shared_prefix: str = "mlp.shared_expert."
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): attention = "mla"
+    attention: str = "gqa"
+    q_lora_rank: int = 0               # 0: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: list = field(default_factory=list)
@@ -85,8 +94,7 @@ class MoEConfig:
     def from_dict(d: dict, source: str = "<dict>") -> "MoEConfig":
         mt = d.get("model_type")
         if mt not in SUPPORTED:
-            raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)} "
-                             f"(DeepSeek-V3 routing is available to the model code, but its MLA attention is not yet)")
+            raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
 
         def need(*names):
             for n in names:
@@ -103,7 +111,7 @@ class MoEConfig:
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         if rope.get("rope_type", "default") not in ("default", None):
             raise ValueError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported yet (only default RoPE)")
-        E = int(need("num_local_experts", "num_experts"))
+        E = int(need("num_local_experts", "num_experts", "n_routed_experts"))
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(x) for x in eos])
         common = dict(model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=H, num_layers=L, num_heads=heads,
@@ -120,6 +128,22 @@ class MoEConfig:
             # the experts; experts then run in the latent space.
             return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
                              router="softmax_topk", norm_topk_prob=True, latent_dim=int(d.get("moe_latent_size") or 0))
+        if mt == "deepseek_v3":
+            first = int(d.get("first_k_dense_replace", 0))
+            freq = int(d.get("moe_layer_freq", 1) or 1)
+            rope_dim = int(need("qk_rope_head_dim"))
+            common["head_dim"] = rope_dim
+            return MoEConfig(**common, dense_intermediate=int(need("intermediate_size")),
+                             expert_intermediate=int(need("moe_intermediate_size")),
+                             moe_layers=[i for i in range(L) if i >= first and i % freq == 0],
+                             router="sigmoid_group", n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
+                             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                             shared_intermediate=int(need("moe_intermediate_size")) * int(d.get("n_shared_experts") or 0),
+                             shared_prefix="mlp.shared_experts.", attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
+                             q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
+                             qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                             v_head_dim=int(need("v_head_dim")), rope_interleave=bool(d.get("rope_interleave", True)))
         if mt == "olmoe":
             if d.get("clip_qkv") is not None:
                 raise ValueError(f"{source}: clip_qkv is not supported yet")

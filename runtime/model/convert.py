@@ -35,9 +35,24 @@ def dense_names(cfg: MoEConfig) -> dict:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                    p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-                    p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)})
+        out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+        if cfg.attention == "mla":
+            nh, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            if cfg.qkv_bias:
+                raise ValueError(f"{cfg.source}: attention_bias with MLA is not supported yet")
+            if cfg.q_lora_rank:
+                out.update({p + "self_attn.q_a_proj.weight": (cfg.q_lora_rank, H),
+                            p + "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+                            p + "self_attn.q_b_proj.weight": (nh * qk, cfg.q_lora_rank)})
+            else:
+                out[p + "self_attn.q_proj.weight"] = (nh * qk, H)
+            out.update({p + "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
+                        p + "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                        p + "self_attn.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                        p + "self_attn.o_proj.weight": (H, nh * cfg.v_head_dim)})
+        else:
+            out.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                        p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)})
         if cfg.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
         if cfg.qk_norm == "head":
@@ -49,10 +64,11 @@ def dense_names(cfg: MoEConfig) -> dict:
             if cfg.latent_dim:
                 out[p + "block_sparse_moe.latent_down.weight"] = (cfg.latent_dim, H)
                 out[p + "block_sparse_moe.latent_up.weight"] = (H, cfg.latent_dim)
+            if cfg.router == "sigmoid_group":
+                out[p + "mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
             if cfg.shared_intermediate:
-                S = cfg.shared_intermediate
-                out.update({p + "mlp.shared_expert.gate_proj.weight": (S, H), p + "mlp.shared_expert.up_proj.weight": (S, H),
-                            p + "mlp.shared_expert.down_proj.weight": (H, S)})
+                S, sp = cfg.shared_intermediate, p + cfg.shared_prefix
+                out.update({sp + "gate_proj.weight": (S, H), sp + "up_proj.weight": (S, H), sp + "down_proj.weight": (H, S)})
                 if cfg.shared_expert_gate:
                     out[p + "mlp.shared_expert_gate.weight"] = (1, H)
         else:

@@ -68,11 +68,11 @@ class KVArena:
     head_dim], preallocated and grown by doubling, so a decode step appends all sequences'
     keys with one indexed write per layer and attends in one batched product."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, with_v: bool = True) -> None:
         self.shape = (layers, kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.with_v = dtype, device, with_v
         self.k = torch.zeros(layers, 0, kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.v = self.k.clone()
+        self.v = self.k.clone() if with_v else None
         self.free: list = []
 
     @property
@@ -86,10 +86,12 @@ class KVArena:
     def _resize(self, slots: int, cap: int) -> None:
         L, kv, hd = self.shape
         k = torch.zeros(L, slots, kv, cap, hd, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
         k[:, : self.slots, :, : self.capacity] = self.k
-        v[:, : self.slots, :, : self.capacity] = self.v
-        self.k, self.v = k, v
+        if self.with_v:
+            v = torch.zeros_like(k)
+            v[:, : self.slots, :, : self.capacity] = self.v
+            self.v = v
+        self.k = k
 
     def alloc(self) -> int:
         if not self.free:
@@ -119,9 +121,13 @@ class MoEModel:
         self.step = 0                     # placement time; the engine advances it once per step
         self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
         self.prefetch_hook = None         # callable(moe_idx, ids, hidden) after each MoE layer
-        self.kv = KVArena(cfg.num_layers, cfg.num_kv_heads, hd, dtype, device)
         w = self.w
         self.qkv_w, self.qkv_b = [], []
+        if cfg.attention == "mla":
+            # MLA caches the compressed latent (kv_lora_rank) and the shared rotary key per token.
+            self.kv = KVArena(cfg.num_layers, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, device, with_v=False)
+            return
+        self.kv = KVArena(cfg.num_layers, cfg.num_kv_heads, hd, dtype, device)
         for i in range(cfg.num_layers):   # concatenated copies replace q, k, v: one copy in memory
             self.qkv_w.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.weight")) for n in "qkv"]))
             self.qkv_b.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.bias")) for n in "qkv"])
@@ -146,9 +152,53 @@ class MoEModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
+    def _rope_interleaved(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's layout: rotary pairs (x0, x1), (x2, x3), ... each rotated by one frequency."""
+        c, s_ = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+
+    def _mla(self, i: int, x: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
+        """Multi-head latent attention. The cache holds, per token, the normalised latent and the
+        rotary key; keys and values are expanded from it through kv_b_proj when attending."""
+        cfg, w = self.cfg, self.w
+        nh, nope, rope, vd, lat = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                   cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            q = F.linear(rms_norm(F.linear(x, w[self._p(i, "self_attn.q_a_proj.weight")]),
+                                  w[self._p(i, "self_attn.q_a_layernorm.weight")], cfg.rms_norm_eps),
+                         w[self._p(i, "self_attn.q_b_proj.weight")])
+        else:
+            q = F.linear(x, w[self._p(i, "self_attn.q_proj.weight")])
+        q = q.view(-1, nh, nope + rope)                                  # q: [tokens, heads, nope+rope]
+        ckv = F.linear(x, w[self._p(i, "self_attn.kv_a_proj_with_mqa.weight")])   # [tokens, lat+rope]
+        latent = rms_norm(ckv[:, :lat], w[self._p(i, "self_attn.kv_a_layernorm.weight")], cfg.rms_norm_eps)
+        k_rot = ckv[:, lat:]
+        rot = self._rope_interleaved if cfg.rope_interleave else (lambda t, c, s_: t * c + rotate_half(t) * s_)
+        K = self.kv.k[i]                                                 # [slots, 1, cap, lat+rope]
+        kv_b = w[self._p(i, "self_attn.kv_b_proj.weight")]
+        out = torch.empty(x.shape[0], nh, vd, dtype=x.dtype, device=x.device)
+        for s, (a, b) in zip(seqs, spans):
+            p0, n_new = s.length, b - a
+            cos, sin = self._rope(torch.arange(p0, p0 + n_new, device=x.device))   # [new, rope]
+            qr = torch.cat([q[a:b, :, :nope], rot(q[a:b, :, nope:], cos[:, None], sin[:, None])], dim=-1)
+            K[s.slot, 0, p0:p0 + n_new] = torch.cat([latent[a:b], rot(k_rot[a:b], cos, sin)], dim=-1)
+            ctx = p0 + n_new
+            cache = K[s.slot, 0, :ctx]                                   # [ctx, lat+rope]
+            kv = F.linear(cache[:, :lat], kv_b).view(ctx, nh, nope + vd)
+            k = torch.cat([kv[..., :nope], cache[:, None, lat:].expand(ctx, nh, rope)], dim=-1)   # [ctx, heads, qk]
+            causal = torch.arange(ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
+            o = F.scaled_dot_product_attention(qr.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               kv[..., nope:].transpose(0, 1)[None], attn_mask=causal,
+                                               scale=(nope + rope) ** -0.5)  # o: [1, heads, new, v]
+            out[a:b] = o[0].transpose(0, 1)
+        return F.linear(out.reshape(-1, nh * vd), w[self._p(i, "self_attn.o_proj.weight")])
+
     def _attention(self, i: int, x: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
         """x: [tokens, hidden], tokens of several sequences back to back (spans: (start, end))."""
         cfg, w = self.cfg, self.w
+        if cfg.attention == "mla":
+            return self._mla(i, x, seqs, spans)
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         # One matmul for q, k and v (their weights concatenated once at load).
         q, k, v = F.linear(x, self.qkv_w[i], self.qkv_b[i]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -240,7 +290,7 @@ class MoEModel:
         if cfg.latent_dim:
             out = F.linear(out, self.w[self._p(i, "block_sparse_moe.latent_up.weight")])
         if cfg.shared_intermediate:
-            sh = self._mlp(self._p(i, "mlp.shared_expert."), x)
+            sh = self._mlp(self._p(i, cfg.shared_prefix), x)
             if cfg.shared_expert_gate:
                 sh = sh * torch.sigmoid(F.linear(x, self.w[self._p(i, "mlp.shared_expert_gate.weight")]))
             out = out + sh

@@ -14,6 +14,11 @@ ARCHS = {
                                                                  decoder_sparse_step=1, head_dim=16, norm_topk_prob=True,
                                                                  mlp_only_layers=[1])),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=16, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None)),
+    # MLA attention, sigmoid group-limited routing with a correction bias, a shared expert, a dense first layer.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_key_value_heads=4, routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None)),
 }
 
 
@@ -22,14 +27,18 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
     C = getattr(transformers, cfg_cls)
     M = getattr(transformers, model_cls)
     torch.manual_seed(seed)
-    c = C(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-          num_key_value_heads=2, max_position_embeddings=256, **kw)
+    args = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    c = C(**{**args, **kw})
     m = M(c).eval()
     # Random init is tiny; scale the weights so routing and logits are far from ties.
     with torch.no_grad():
         for n, p in m.named_parameters():
             if "norm" not in n:
                 p.mul_(4.0)
+        for n, b in m.named_buffers():   # a non-zero correction bias, so it matters for the test
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * 0.5)
     m.save_pretrained(out_dir)
     return m
 

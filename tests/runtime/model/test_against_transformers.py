@@ -9,7 +9,7 @@ from runtime.store import Manifest
 
 def budgets(store_dir, frac):
     m = Manifest.read(store_dir)
-    return max(2, int(frac * m.num_layers * m.num_experts)) * m.blob_stride
+    return max(4, int(frac * m.num_layers * m.num_experts)) * m.blob_stride
 
 
 @pytest.mark.parametrize("frac", [1.0, 0.1])

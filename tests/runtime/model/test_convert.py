@@ -72,12 +72,13 @@ def test_store_of_another_model_and_budget_minimum(hf_model, tmp_path):
     name, ref, hf_dir, store_dir = hf_model
     d = copy(store_dir, str(tmp_path / "s"))
     cfg = json.load(open(os.path.join(d, "config.json")))
-    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    key = next(k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in cfg)
     json.dump({**cfg, key: 32}, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match="a store of another model"):
         load_model(d)
     m = Manifest.read(store_dir)
-    with pytest.raises(ValueError, match=f"the minimum is {2 * m.blob_stride:,} bytes"):
+    k = MoEConfig.from_hf(store_dir).top_k
+    with pytest.raises(ValueError, match=f"the minimum is {k * m.blob_stride:,} bytes"):
         load_model(store_dir, expert_budget=m.blob_stride)
     dense = os.path.getsize(os.path.join(store_dir, "dense.safetensors"))
     with pytest.raises(ValueError, match="cannot hold the dense weights .* the minimum is"):

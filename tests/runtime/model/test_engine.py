@@ -4,7 +4,7 @@ import torch
 
 from cache_policy.replay import ReplayConfig, replay_batch
 from runtime.engine import Engine, SamplingParams, sample
-from runtime.model import load_model
+from runtime.model import MoEConfig, load_model
 from runtime.store import Manifest
 
 
@@ -12,7 +12,8 @@ from runtime.store import Manifest
 def test_live_hits_equal_replay_of_the_recorded_trace(hf_model, scope, frac, batch):
     name, ref, hf_dir, store_dir = hf_model
     m = Manifest.read(store_dir)
-    slots = max(2, int(frac * (m.num_experts if scope == "layer" else m.num_layers * m.num_experts)))
+    k = MoEConfig.from_hf(store_dir).top_k
+    slots = max(k, int(frac * (m.num_experts if scope == "layer" else m.num_layers * m.num_experts)))
     budget = slots * m.blob_stride * (m.num_layers if scope == "layer" else 1)
     model, store = load_model(store_dir, expert_budget=budget, scope=scope)
     try:
