@@ -69,7 +69,7 @@ class Request:
     gen: "torch.Generator | None" = None
     arrival: float = 0.0
     first_token_time: "float | None" = None
-    routing: list = field(default_factory=list)   # per fed token: [moe layers][k] expert ids
+    routing: list = field(default_factory=list)   # per step: [fed tokens, moe layers, k] expert ids
 
 
 @dataclass
@@ -189,16 +189,15 @@ class Engine:
         self._step_routing = []
         self.model.step = self._step_no
         logits = self.model.forward([r.seq for r in self.running], chunks)
-        # Routing of this step's tokens, per request, in feed order.
-        per_layer = {}
-        for m, ids in self._step_routing:
-            per_layer[m] = ids
-        L = self.model.cfg.num_moe_layers
+        # Routing of this step's tokens, per request, in feed order: one [tokens, L, k] array per step.
+        L, E = self.model.cfg.num_moe_layers, self.model.cfg.num_experts
+        per_layer = dict(self._step_routing)
+        A = np.stack([per_layer[m] for m in range(L)], axis=1)            # A: [tokens, L, k]
         off = 0
         for r, c in zip(self.running, chunks):
-            for j in range(len(c)):
-                r.routing.append([per_layer[m][off + j].tolist() for m in range(L)])
+            r.routing.append(A[off:off + len(c)])
             off += len(c)
+        seen = np.bincount((A + (np.arange(L) * E)[None, :, None]).reshape(-1), minlength=L * E).reshape(L, E)
         out = []
         finished = []
         now = time.perf_counter()
@@ -227,7 +226,7 @@ class Engine:
         self.store.end_step()
         self.steps.append(StepRecord(
             step=self._step_no, batch=len(chunks), tokens=sum(len(c) for c in chunks),
-            unique_experts=[int(len(np.unique(per_layer[m]))) for m in range(L)],
+            unique_experts=(seen > 0).sum(1).tolist(),
             hits={k: st.hits[k] - before[0][k] for k in st.hits}, bytes={k: st.bytes[k] - before[1][k] for k in st.bytes},
             stall_seconds=st.stall_seconds - before[2], seconds=time.perf_counter() - t0))
         self._step_no += 1
@@ -243,8 +242,9 @@ class Engine:
         """The routing of every fed token, as a cache_policy Trace (one sequence per request, by id)."""
         from cache_policy.traces import Trace
         reqs = [self.done[i] for i in sorted(self.done) if self.done[i].routing]
-        ids = np.array([tok for r in reqs for tok in r.routing], dtype=np.int64)   # ids: [tokens, L, k]
-        lens = [len(r.routing) for r in reqs]
+        per_req = [np.concatenate(r.routing) for r in reqs]
+        ids = np.concatenate(per_req).astype(np.int64)                       # ids: [tokens, L, k]
+        lens = [len(x) for x in per_req]
         return Trace(ids=ids, seq_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
                      num_experts=self.model.cfg.num_experts, model=self.model.cfg.model_type,
                      layer_numbers=np.array(self.model.cfg.moe_layers))
