@@ -26,6 +26,7 @@ class MoEConfig:
     moe_layers: list                   # model layer indices that are MoE
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)   # {} or YaRN parameters (factor, original_max_position_embeddings, ...)
     qkv_bias: bool = False
     qk_norm: str = "none"              # none | head (Qwen3: per head) | full (OLMoE: over the projection)
     router: str = "softmax_topk"       # see ROUTERS
@@ -107,16 +108,27 @@ class MoEConfig:
         heads = int(need("num_attention_heads"))
         kv = int(d.get("num_key_value_heads") or heads)
         head_dim = int(d.get("head_dim") or H // heads)
-        rope = d.get("rope_parameters") or {}
+        rope = dict(d.get("rope_parameters") or {})
+        if d.get("rope_scaling"):   # the older field name (DeepSeek-V3's and Kimi K2's released configs)
+            rope = {**d["rope_scaling"], **rope}
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"{source}: rope_type {rope.get('rope_type')!r} is not supported yet (only default RoPE)")
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported yet (default and yarn are)")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor is not supported yet")
+        scaling = {}
+        if rope_type == "yarn":
+            if "original_max_position_embeddings" not in rope:
+                raise ValueError(f"{source}: yarn RoPE needs original_max_position_embeddings")
+            scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                            "mscale", "mscale_all_dim", "attention_factor", "truncate") if k in rope}
         E = int(need("num_local_experts", "num_experts", "n_routed_experts"))
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(x) for x in eos])
         common = dict(model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=H, num_layers=L, num_heads=heads,
                       num_kv_heads=kv, head_dim=head_dim, num_experts=E, top_k=int(need("num_experts_per_tok")),
-                      rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                      rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                       max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                       eos_token_ids=eos, bos_token_id=d.get("bos_token_id"), source=source)

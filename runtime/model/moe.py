@@ -55,6 +55,51 @@ def route(logits: torch.Tensor, cfg: MoEConfig, bias: "torch.Tensor | None" = No
     return ids, w * cfg.routed_scaling_factor
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg: MoEConfig):
+    """Inverse frequencies over head_dim and the factor on cos/sin: default RoPE, or YaRN
+    (interpolate low frequencies by `factor`, keep high ones, a linear ramp between)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    y = cfg.rope_scaling
+    if not y:
+        return 1.0 / pos_freqs, 1.0
+    factor = y.get("factor") or cfg.max_position_embeddings / y["original_max_position_embeddings"]
+    att = y.get("attention_factor")
+    if att is None:
+        m, m_all = y.get("mscale"), y.get("mscale_all_dim")
+        att = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if (m and m_all) else _yarn_mscale(factor)
+    beta_fast, beta_slow = y.get("beta_fast") or 32, y.get("beta_slow") or 1
+    orig = y["original_max_position_embeddings"]
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if y.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extra = 1 - ramp                                   # 1: keep the original frequency
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(att)
+
+
+def mla_softmax_scale(cfg: MoEConfig) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek applies it."""
+    s = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    y = cfg.rope_scaling
+    if y and y.get("mscale_all_dim"):
+        factor = y.get("factor") or cfg.max_position_embeddings / y["original_max_position_embeddings"]
+        s *= _yarn_mscale(factor, y["mscale_all_dim"]) ** 2
+    return s
+
+
 @dataclass
 class Sequence:
     """One sequence: tokens fed so far and its slot in the model's KV arena (None until it runs)."""
@@ -116,7 +161,8 @@ class MoEModel:
             dense[k] = dense[k].to(device=device, dtype=dtype)
         self.w = dense
         hd = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float().to(device) / hd))
+        inv_freq, self.rope_factor = rope_frequencies(cfg)
+        self.inv_freq = inv_freq.to(device)
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         self.step = 0                     # placement time; the engine advances it once per step
         self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
@@ -150,7 +196,7 @@ class MoEModel:
     def _rope(self, pos: torch.Tensor):
         freqs = pos.float()[:, None] * self.inv_freq[None, :]           # freqs: [tokens, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return (emb.cos() * self.rope_factor).to(self.dtype), (emb.sin() * self.rope_factor).to(self.dtype)
 
     def _rope_interleaved(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """DeepSeek's layout: rotary pairs (x0, x1), (x2, x3), ... each rotated by one frequency."""
@@ -190,7 +236,7 @@ class MoEModel:
             causal = torch.arange(ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
             o = F.scaled_dot_product_attention(qr.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                kv[..., nope:].transpose(0, 1)[None], attn_mask=causal,
-                                               scale=(nope + rope) ** -0.5)  # o: [1, heads, new, v]
+                                               scale=mla_softmax_scale(cfg))  # o: [1, heads, new, v]
             out[a:b] = o[0].transpose(0, 1)
         return F.linear(out.reshape(-1, nh * vd), w[self._p(i, "self_attn.o_proj.weight")])
 
