@@ -162,6 +162,9 @@ def convert(model_dir: str, out_dir: str, progress: bool = False) -> str:
     H, I = cfg.expert_in, cfg.expert_intermediate
     probe = ck.get(expert_names(cfg, cfg.moe_layers[0], 0)["gate"], (I, H))
     dt = probe.dtype
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{model_dir}: expert weights are {dt} (a quantized checkpoint); only float32, bfloat16 and "
+                         f"float16 checkpoints are supported yet - dequantize first")
     writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
                          num_experts=cfg.num_experts, specs=[("gate", (I, H), dt), ("up", (I, H), dt), ("down", (H, I), dt)],
                          layer_numbers=cfg.moe_layers, extra={"model_type": cfg.model_type})

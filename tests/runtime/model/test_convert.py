@@ -112,3 +112,13 @@ def test_router_variants_against_the_formula():
         ww = s[want] / s[want].sum() * 2.5
         got = {int(e): float(x) for e, x in zip(ids[t], w[t])}
         assert all(abs(got[e] - float(v)) < 1e-6 for e, v in zip(want, ww))
+
+
+def test_quantized_checkpoints_are_refused(hf_model, tmp_path):
+    name, ref, hf_dir, _ = hf_model
+    d = copy(hf_dir, str(tmp_path / "m"))
+    f = only_file(d)
+    w = load_file(f)
+    save_file({k: (v.to(torch.float8_e4m3fn) if ".experts." in k else v) for k, v in w.items()}, f)
+    with pytest.raises(ValueError, match="a quantized checkpoint"):
+        convert(d, str(tmp_path / "s"))
