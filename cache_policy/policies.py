@@ -52,8 +52,11 @@ class EvictionPolicy:
 class LRU(EvictionPolicy):
     """Least recently used, on an OrderedDict (C-level move-to-end and pop-front).
 
-    Hits are refreshed first (in the group's ascending order), so the front of the order is
-    never needed by the current group when the misses are loaded (in ascending order) after it.
+    A group that fits the pool is taken in one pass: in the group's (ascending) order each hit
+    is refreshed and each miss loaded at the most-recent end, then the pool's excess is evicted
+    from the least-recent end - never a key of the group, which all sit at the other end. So
+    after a group its keys are the most recent in ascending order, hits and loads alike. (A group
+    in waves refreshes its hits first, then loads each wave: see Pool.access.)
     """
 
     name = "lru"
@@ -69,9 +72,11 @@ class LRU(EvictionPolicy):
             if k in od:
                 mte(k)
                 n_hits += 1
+            else:
+                od[k] = None
         if n_hits == len(keys):
             return n_hits, _EMPTY
-        over = len(od) + len(keys) - n_hits - pool.capacity
+        over = len(od) - pool.capacity
         res = pool.resident
         if over > 0:
             pop = od.popitem
@@ -81,11 +86,49 @@ class LRU(EvictionPolicy):
             res.difference_update(evicted)
         else:
             evicted = _EMPTY
-        for k in keys:
-            if k not in od:
-                od[k] = None
         res.update(keys)
         return n_hits, evicted
+
+    @staticmethod
+    def run(pools: list, keys: list, bounds: list, layer: int, hits_out) -> int:
+        """``group_access`` for a run of groups in one loop (replay's hot path): group j is
+        keys[bounds[j]:bounds[j+1]] at layer (layer + j) % len(pools); pools[l] is (policy,
+        pool) of layer l. Appends each group's hit count to hits_out; returns evictions. Every
+        group must fit its pool. Pool.resident is brought up to date at the end."""
+        L = len(pools)
+        ods = [p.order for p, _ in pools]
+        caps = [pool.capacity for _, pool in pools]
+        add = hits_out.append
+        evictions = 0
+        a = bounds[0]
+        for b in bounds[1:]:
+            od = ods[layer]
+            mte = od.move_to_end
+            n = 0
+            for k in keys[a:b]:
+                if k in od:
+                    mte(k)
+                    n += 1
+                else:
+                    od[k] = None
+            over = len(od) - caps[layer]
+            if over > 0:
+                evictions += over
+                pop = od.popitem
+                for _ in range(over):
+                    pop(False)
+            add(n)
+            a = b
+            layer += 1
+            if layer == L:
+                layer = 0
+        seen = set()
+        for p, pool in pools:
+            if id(pool) not in seen:
+                seen.add(id(pool))
+                pool.resident.clear()
+                pool.resident.update(p.order)
+        return evictions
 
     def on_hit(self, keys, t, aux):
         mte = self.order.move_to_end

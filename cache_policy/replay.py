@@ -262,6 +262,17 @@ def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
     """The loop for a device tier over a host that holds everything, without prefetch: the
     same Pool.access as every other path, without the tier bookkeeping it does not need."""
     pools = place.device
+    sizes = np.diff(np.asarray(ptr[c0:c1 + 1], dtype=np.int64))
+    if all(type(p.policy) is LRU for p in pools) and sizes.max() <= min(p.capacity for p in pools):
+        # LRU's whole-run loop (the same per-group semantics as its group_access).
+        hits = array("q")
+        ev = LRU.run([(p.policy, p) for p in pools], keys, [x - pa for x in ptr[c0:c1 + 1]], c0 % L, hits)
+        place.device_evictions += ev
+        h = np.frombuffer(hits, dtype=np.int64)
+        block = np.zeros((c1 - c0, 5), dtype=np.int64)
+        block[:, 0], block[:, 1], block[:, 3] = h, sizes - h, 1
+        rec.frombytes(block.tobytes())
+        return
     t, layer = divmod(c0, L)
     out = rec.extend
     evictions = 0

@@ -93,6 +93,13 @@ def replay(groups, *, policy, cap, scope, L, E, static_scores=None):
         miss_keys = [k for k in keys if k not in order]
         hits += len(hit_keys)
         misses += len(miss_keys)
+        if policy == "lru" and len(keys) <= cap:
+            # A group that fits: its keys become the most recent in ascending order (hits and
+            # loads alike), then the least recent others leave.
+            order[:] = [k for k in order if k not in keys] + keys
+            del order[: max(0, len(order) - cap)]
+            max_res = max(max_res, len(order))
+            continue
         for k in hit_keys:
             touch(k)
         if len(keys) <= cap:

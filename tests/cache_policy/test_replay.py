@@ -9,7 +9,8 @@ from cache_policy.replay import ReplayConfig, replay, replay_batch, static_profi
 
 
 def brute_lru_batch1(trace, cap, scope):
-    """Per-token LRU with an OrderedDict per pool: hits refreshed first, then misses loaded."""
+    """Per-token LRU with an OrderedDict per pool: the token's experts, in ascending order, become
+    the most recent (hits refreshed, misses loaded), then the least recent others leave."""
     L, E = trace.num_layers, trace.num_experts
     pools = [OrderedDict() for _ in range(L if scope == "layer" else 1)]
     hits = 0
@@ -17,15 +18,13 @@ def brute_lru_batch1(trace, cap, scope):
         for layer, experts in enumerate(row):
             od = pools[layer if scope == "layer" else 0]
             keys = sorted(layer * E + e for e in experts)
-            h = [k for k in keys if k in od]
-            for k in h:
-                od.move_to_end(k)
-            hits += len(h)
             for k in keys:
-                if k not in od:
-                    if len(od) >= cap:
-                        od.popitem(last=False)
-                    od[k] = None
+                if k in od:
+                    hits += 1
+                od.pop(k, None)
+                od[k] = None
+            while len(od) > cap:
+                od.popitem(last=False)
     return hits
 
 
