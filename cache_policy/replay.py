@@ -163,8 +163,8 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                          model_path=cfg.transition_model)
     budget = cfg.prefetch_budget or k
     wants = factory().wants if cfg.policy != "belady" else "next_use"
-    aux_all = groups.weight if wants == "weights" else (groups.next_use() if wants == "next_use" else None)
-    weights_all = groups.weight if pf is not None else None
+    aux_all = groups.weights() if wants == "weights" else (groups.next_use() if wants == "next_use" else None)
+    weights_all = groups.weights() if pf is not None else None
     rec = array("q")              # flat, per group: device hits, host hits, disk loads, waves, prefetch used
     pref = np.zeros((G + 1, 2), dtype=np.int64)   # prefetch loads landing for group g: (from host, from disk)
     pred = [0, 0, 0]              # predicted & needed, predicted, needed

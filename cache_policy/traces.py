@@ -307,9 +307,12 @@ class Groups:
     num_steps: int
     keys: np.ndarray     # [N] int32 flat keys
     count: np.ndarray    # [N] int32 tokens routed to the expert in that step
-    weight: np.ndarray   # [N] float32
+    weight: "np.ndarray | None"   # [N] float32; None: equal to count (no router weights)
     ptr: np.ndarray      # [steps*L + 1]
     batch_sizes: np.ndarray  # [steps]
+
+    def weights(self) -> np.ndarray:
+        return self.weight if self.weight is not None else self.count.astype(np.float32)
 
     def next_use(self) -> np.ndarray:
         """For each entry, the group index of the next group needing the same key (inf: never)."""
@@ -330,13 +333,18 @@ def build_groups(tr: Trace, sched: Schedule, chunk_steps: "int | None" = None) -
     ids = tr.ids
     if sched.num_steps == T:  # one token per step: each group is that token's k experts, sorted
         toks = sched.tokens
-        order = np.argsort(ids[toks], axis=2, kind="stable")        # order: [T, L, k]
-        keys = (np.take_along_axis(ids[toks], order, axis=2).astype(np.int32)
-                + (np.arange(L, dtype=np.int32) * E)[None, :, None])
-        w = (np.take_along_axis(tr.weights[toks], order, axis=2) if tr.weights is not None
-             else np.ones(keys.shape, dtype=np.float32))
+        sel = ids if np.array_equal(toks, np.arange(T)) else ids[toks]
+        off = (np.arange(L, dtype=np.int32) * E)[None, :, None]
+        if tr.weights is None:
+            keys = np.sort(sel, axis=2).astype(np.int32) + off
+            w = None                                                     # equals the count: 1
+        else:
+            order = np.argsort(sel, axis=2, kind="stable")              # order: [T, L, k]
+            keys = np.take_along_axis(sel, order, axis=2).astype(np.int32) + off
+            wt = tr.weights if sel is ids else tr.weights[toks]
+            w = np.take_along_axis(wt, order, axis=2).reshape(-1).astype(np.float32)
         return Groups(num_layers=L, num_experts=E, num_steps=T, keys=keys.reshape(-1),
-                      count=np.ones(keys.size, dtype=np.int32), weight=w.reshape(-1).astype(np.float32),
+                      count=np.ones(keys.size, dtype=np.int32), weight=w,
                       ptr=np.arange(0, T * L * k + 1, k, dtype=np.int64), batch_sizes=sched.batch_sizes())
     keys_l, cnt_l, w_l, sizes = [], [], [], []
     for s0 in range(0, sched.num_steps, chunk_steps):
