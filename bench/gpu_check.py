@@ -75,7 +75,8 @@ def main():
     from runtime.model import load_model
     from runtime.model.convert import convert
     from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
-    spec = SyntheticModelSpec(hidden_size=1024, intermediate_size=2048, num_layers=8, num_experts=32)
+    # 4 layers x 16 experts of 12.6 MB (fp32): ~0.8 GB to write, small enough for a short device session.
+    spec = SyntheticModelSpec(hidden_size=1024, intermediate_size=1024, num_layers=4, num_experts=16)
     hf, store = os.path.join(work, "hf"), os.path.join(work, "store")
     build_checkpoint(hf, spec)
     convert(hf, store)
