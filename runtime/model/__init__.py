@@ -1,7 +1,6 @@
 """MoE transformer, router variants, and checkpoint conversion into the store's layout."""
 from __future__ import annotations
 
-import os
 
 from .config import SUPPORTED, MoEConfig
 from .moe import MoEModel, Sequence, route
@@ -16,7 +15,6 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     (``kv_cache_bytes``) and expert slots; the experts get what is left. ``expert_budget``: bytes
     of expert slots directly. Neither: every expert fits on the device. ``host_budget``: bytes of
     expert slots in host memory (None: every expert)."""
-    import torch
 
     from ..store import ExpertStore, Manifest
     from .convert import load_dense

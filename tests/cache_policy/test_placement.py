@@ -1,13 +1,11 @@
 """Placement against the brute-force oracle, capacities, Belady's bound, inclusive tiers."""
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from cache_policy.placement import Pool, TieredPlacement
-from cache_policy.policies import LRU, Belady, NoCache, Static
+from cache_policy.policies import LRU
 from cache_policy.replay import ReplayConfig, replay_batch, static_profile
 from cache_policy.synthetic import SyntheticSpec, generate
-from cache_policy.traces import Trace
 
 import oracle
 

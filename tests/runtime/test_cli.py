@@ -1,6 +1,5 @@
 """The tiered-moe command, run as a real subprocess."""
 import json
-import os
 import subprocess
 import sys
 

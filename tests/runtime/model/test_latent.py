@@ -5,7 +5,7 @@ from safetensors.torch import load_file
 
 from runtime.model import Sequence, load_model
 from runtime.model.convert import convert
-from runtime.model.moe import rms_norm, route
+from runtime.model.moe import route
 from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
 from runtime.store import Manifest
 
