@@ -216,15 +216,7 @@ class TieredPlacement:
     def access(self, layer: int, keys: Sequence[int], t: int, aux=None):
         """Demand access of one group. Returns (device_hits, host_hits, disk_loads, waves, prefetch_used)."""
         n_hits, _, evicted, waves = self.device[layer].access(keys, t, aux, False)
-        used = 0
-        if self.pending:
-            # A pending prefetch still pending is still resident (evictions drop it from pending).
-            pend = self.pending
-            got = pend.intersection(keys)
-            if got:
-                used = len(got)
-                pend.difference_update(got)
-                self.prefetch_used += used
+        used = self._take_pending(keys) if self.pending else 0
         if evicted:
             self.device_evictions += len(evicted)
             self._note_evicted(evicted)
@@ -243,12 +235,7 @@ class TieredPlacement:
         dev = self.device[layer]
         n_hits, misses, evicted, waves = dev.access(keys, t, aux, True)
         evicted = list(evicted)
-        used = 0
-        if self.pending:
-            got = self.pending.intersection(keys)
-            used = len(got)
-            self.pending.difference_update(got)
-            self.prefetch_used += used
+        used = self._take_pending(keys) if self.pending else 0
         self.device_evictions += len(evicted)
         self._note_evicted(evicted)
         from_disk, host_evicted = [], []
@@ -260,6 +247,15 @@ class TieredPlacement:
         return {"hits": n_hits, "misses": misses, "from_disk": list(from_disk), "device_evicted": evicted,
                 "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used,
                 "wave_plan": dev.last_waves if waves > 1 else None}
+
+    def _take_pending(self, keys) -> int:
+        """Prefetched experts needed now count as used. One still pending is still resident:
+        evictions drop it from pending."""
+        got = self.pending.intersection(keys)
+        if got:
+            self.pending.difference_update(got)
+            self.prefetch_used += len(got)
+        return len(got)
 
     def _back_invalidate(self, host_evicted) -> list:
         E = self.num_experts

@@ -278,13 +278,7 @@ def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
     evictions = 0
     for g in range(c0, c1):
         a, b = ptr[g] - pa, ptr[g + 1] - pa
-        pool = pools[layer]
-        fast = pool.policy.group_access
-        if fast is not None and b - a <= pool.capacity:   # what Pool.access would call, minus a frame
-            n_hits, ev = fast(pool, keys[a:b], t)
-            waves = 1
-        else:
-            n_hits, _, ev, waves = pool.access(keys[a:b], t, aux[a:b] if aux is not None else None, False)
+        n_hits, _, ev, waves = pools[layer].access(keys[a:b], t, aux[a:b] if aux is not None else None, False)
         if ev:
             evictions += len(ev)
         out((n_hits, b - a - n_hits, 0, waves, 0))
