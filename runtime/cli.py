@@ -169,11 +169,15 @@ def cmd_demo(a) -> int:
     from .store import Manifest
     spec = SyntheticModelSpec(seed=a.seed)
     hf, store = os.path.join(a.workdir, "hf"), os.path.join(a.workdir, "store")
-    if not os.path.exists(os.path.join(store, "manifest.json")):
-        print(f"building the synthetic checkpoint in {a.workdir} (first run only) ...", flush=True)
+    if not Manifest.current(store):
+        print(f"building the synthetic checkpoint in {a.workdir} (first run, or a store of an older version) ...",
+              file=sys.stderr if a.build_only else sys.stdout, flush=True)
         build_checkpoint(hf, spec)
         convert(hf, store, progress=sys.stderr.isatty())
     m = Manifest.read(store)
+    if a.build_only:
+        print(store)
+        return 0
     print(f"model: synthetic Mixtral-format MoE, {spec.num_layers} layers x {spec.num_experts} experts, top-{spec.top_k}, "
           f"hidden {spec.hidden_size}; router locality knobs skew={spec.skew}, topics={spec.topics}, "
           f"topic_strength={spec.topic_strength} (runtime/model/synthetic.py); {m.blob_bytes / 1e6:.2f} MB per expert")
@@ -229,7 +233,8 @@ def cmd_regimes(a) -> int:
         return 0
     rows = run_regimes(a.model, batches=batches, configs=configs, device_fraction=a.device_fraction,
                        requests=a.requests, prompt_len=a.prompt_len, max_tokens=a.max_tokens, profile=a.profile,
-                       geometry=a.expert_geometry, seed=a.seed, out_prefix=a.out, progress=sys.stderr.isatty())
+                       geometry=a.expert_geometry, seed=a.seed, out_prefix=a.out, progress=sys.stderr.isatty(),
+                       cache_bonus=a.cache_bonus)
     print(format_rows(rows))
     if a.out:
         print(f"\nwrote {a.out}.json and {a.out}.png")
@@ -273,7 +278,8 @@ def cmd_generate(a) -> int:
                               kv_cache_bytes=_budget(a.kv_cache_budget, "--kv-cache-budget"), host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
                               progress=sys.stderr.isatty())
     try:
-        eng = Engine(model, store, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch)
+        eng = Engine(model, store, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch,
+                     cache_bonus=a.cache_bonus, schedule=a.schedule, max_active=a.max_active)
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 seed=a.seed)
         ids = [eng.add_request(p, params) for p in prompts]
@@ -296,6 +302,85 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    import signal
+    import threading
+    from .serve.api import Server
+    from .serve.client import EngineError
+    from .serve.engine_proc import EngineConfig
+    if a.api_key is not None and not a.api_key:
+        raise CliError("--api-key is empty")
+    cfg = EngineConfig(model=a.model, device_budget=_budget(a.device_budget, "--device-budget"),
+                       kv_cache_budget=_budget(a.kv_cache_budget, "--kv-cache-budget") or 0,
+                       host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
+                       prefetch=a.prefetch, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, threads=a.threads,
+                       cache_bonus=a.cache_bonus, schedule=a.schedule, max_active=a.max_active)
+    try:
+        srv = Server(cfg, host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
+                     startup_timeout=a.startup_timeout)
+    except EngineError as e:
+        raise CliError(str(e)) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    srv.start()
+    print(f"tiered-moe: serving {srv.model_name!r} at {srv.url}/v1 (metrics at {srv.url}/metrics; chat template: "
+          f"{srv.chat.source}); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        stop.wait()
+    finally:
+        srv.close()
+    print("tiered-moe: stopped", file=sys.stderr)
+    return 0
+
+
+def _add_cache_bonus(p) -> None:
+    p.add_argument("--cache-bonus", type=float, default=0.0,
+                   help="cache-aware routing: add this to the router logits of experts resident on the device "
+                        "(0 = off, the default; > 0 changes outputs: see bench/results/exp_cache_routing.md)")
+
+
+def _add_schedule(p) -> None:
+    p.add_argument("--schedule", default="fcfs", help="fcfs, or expert-aware: each step runs the --max-batch "
+                                                       "active requests whose recent experts overlap most")
+    p.add_argument("--max-active", type=int, default=None,
+                   help="requests holding a KV slot at once (expert-aware default: 4 x --max-batch)")
+
+
+def _add_tier_args(p) -> None:
+    p.add_argument("--device-budget", help="device memory for dense weights + KV cache + experts, e.g. 4GiB "
+                                           "(default: everything fits)")
+    p.add_argument("--kv-cache-budget", default="0B", help="device memory reserved for the KV cache")
+    p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
+    p.add_argument("--policy", default="lru", help="lru, lfu, freq or none")
+    p.add_argument("--scope", default="global", help="layer or global")
+    p.add_argument("--prefetch", default="none", help="none, freq, transition or lookahead")
+
+
+def _add_engine_args(p, max_batch: int) -> None:
+    p.add_argument("--max-batch", type=int, default=max_batch, help="sequences per step")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per sequence per step")
+    _add_threads(p)
+    _add_cache_bonus(p)
+    _add_schedule(p)
+
+
+def _add_threads(p) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for tensor ops (like llama.cpp's -t; default: torch's choice). On small "
+                        "models 1 is often fastest: see bench/results/decode_speed.md")
+
+
+def _apply_threads(a) -> None:
+    n = getattr(a, "threads", None)
+    if n is None:
+        return
+    if n < 1:
+        raise CliError(f"--threads must be at least 1, got {n}")
+    import torch
+    torch.set_num_threads(n)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiered-moe", description="Tiered expert-offloading for MoE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -307,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=32)
     d.add_argument("--max-tokens", type=int, default=24)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--build-only", action="store_true", help="build the checkpoint and store, print the store path, stop")
+    _add_threads(d)
     d.set_defaults(func=cmd_demo)
 
     rg = sub.add_parser("regimes", help="low-batch vs high-batch: hit rates, bytes, measured and projected tokens/s")
@@ -324,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--persistence", type=float, default=0.5)
     rg.add_argument("--seed", type=int, default=0)
     rg.add_argument("--out", default=None, help="path prefix for .json and .png")
+    _add_threads(rg)
+    _add_cache_bonus(rg)
     rg.set_defaults(func=cmd_regimes)
 
     r = sub.add_parser("replay", help="replay a routing trace through tier placement")
@@ -355,23 +444,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for several, decoded as a batch)")
     g.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    g.add_argument("--device-budget", help="device memory for dense weights + KV cache + experts, e.g. 4GiB "
-                                           "(default: everything fits)")
-    g.add_argument("--kv-cache-budget", default="0B", help="device memory reserved for the KV cache")
-    g.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
-    g.add_argument("--policy", default="lru", help="lru, lfu, freq or none")
-    g.add_argument("--scope", default="global", help="layer or global")
-    g.add_argument("--prefetch", default="none", help="none, freq, transition or lookahead")
+    _add_tier_args(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--max-batch", type=int, default=16)
-    g.add_argument("--prefill-chunk", type=int, default=64)
     g.add_argument("--trace-out", help="write the routing trace (.npz) of this run")
     g.add_argument("--json", action="store_true")
+    _add_engine_args(g, max_batch=16)
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server: HTTP front-end + engine process over ZeroMQ")
+    sv.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    sv.add_argument("--served-model-name", default=None, help="model id clients use (default: the store's name)")
+    _add_tier_args(sv)
+    sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the engine to load")
+    _add_engine_args(sv, max_batch=32)
+    sv.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("trace", help="routing trace tools")
     tsub = t.add_subparsers(dest="trace_cmd", required=True)
@@ -392,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _apply_threads(args)
         return args.func(args)
     except (ValueError, CliError) as e:
         print(f"tiered-moe: error: {e}", file=sys.stderr)

@@ -17,7 +17,8 @@ from cache_policy.replay import ReplayConfig, replay_batch
 
 
 def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fraction: float, requests: int,
-            prompt_len: int, max_tokens: int, profile: str, geometry: "str | None", seed: int) -> dict:
+            prompt_len: int, max_tokens: int, profile: str, geometry: "str | None", seed: int,
+            cache_bonus: float = 0.0, schedule: str = "fcfs") -> dict:
     from .engine import Engine, SamplingParams
     from .model import load_model
     from .store import Manifest
@@ -26,7 +27,8 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     slots = max(1, int(round(device_fraction * total)))
     model, store = load_model(store_dir, expert_budget=slots * m.blob_stride, policy=policy, scope="global")
     try:
-        eng = Engine(model, store, max_batch=batch, prefill_chunk=1, prefetch=prefetch)
+        eng = Engine(model, store, max_batch=batch, prefill_chunk=1, prefetch=prefetch, cache_bonus=cache_bonus,
+                     schedule=schedule)
         g = torch.Generator().manual_seed(seed)
         V = model.cfg.vocab_size
         for i in range(max(requests, batch)):
@@ -115,7 +117,7 @@ def plot(rows: list, path: str, title: str) -> None:
 
 def run_regimes(store_dir: str, *, batches, configs, device_fraction: float, requests: int, prompt_len: int,
                 max_tokens: int, profile: str = "h200", geometry: "str | None" = None, seed: int = 0,
-                out_prefix: "str | None" = None, progress: bool = False) -> list:
+                out_prefix: "str | None" = None, progress: bool = False, cache_bonus: float = 0.0) -> list:
     rows = []
     jobs = [(p, pf, b) for p, pf in configs for b in batches]
     bar = None
@@ -125,7 +127,7 @@ def run_regimes(store_dir: str, *, batches, configs, device_fraction: float, req
     for p, pf, b in jobs:
         rows.append(run_one(store_dir, batch=b, policy=p, prefetch=pf, device_fraction=device_fraction,
                             requests=requests, prompt_len=prompt_len, max_tokens=max_tokens, profile=profile,
-                            geometry=geometry, seed=seed))
+                            geometry=geometry, seed=seed, cache_bonus=cache_bonus))
         if bar:
             bar.update()
     if bar:

@@ -13,3 +13,30 @@ def deepseek_trace():
 def flame_trace():
     from cache_policy.traces import load_trace
     return load_trace(shared_trace("flame-moe-290m.npz"))
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory):
+    """A tiny synthetic checkpoint (with tokenizer and chat template) and its converted store."""
+    from runtime.model.convert import convert
+    from runtime.model.synthetic import build_checkpoint
+    from servehelp import SPEC
+    d = tmp_path_factory.mktemp("serve")
+    build_checkpoint(str(d / "hf"), SPEC)
+    convert(str(d / "hf"), str(d / "tiny"))
+    return str(d / "hf"), str(d / "tiny")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_store):
+    """A live server with an API key; a device tier of 4 of the 16 experts, so the cache really
+    misses and evicts."""
+    from runtime.serve.api import Server
+    from runtime.serve.engine_proc import EngineConfig
+    from runtime.store import Manifest
+    from servehelp import KEY
+    stride = Manifest.read(tiny_store[1]).blob_stride
+    srv = Server(EngineConfig(model=tiny_store[1], expert_budget=4 * stride, max_batch=8, policy="lru"),
+                 port=0, api_key=KEY).start()
+    yield srv
+    srv.close()

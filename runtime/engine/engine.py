@@ -70,6 +70,7 @@ class Request:
     arrival: float = 0.0
     first_token_time: "float | None" = None
     routing: list = field(default_factory=list)   # per step: [fed tokens, moe layers, k] expert ids
+    last_step: int = -1                           # the last step this request ran in
 
 
 @dataclass
@@ -86,11 +87,23 @@ class StepRecord:
 
 class Engine:
     def __init__(self, model, store, *, max_batch: int = 16, prefill_chunk: int = 64, prefetch: str = "none",
-                 prefetch_budget: "int | None" = None, max_context: "int | None" = None) -> None:
+                 prefetch_budget: "int | None" = None, max_context: "int | None" = None,
+                 schedule: str = "fcfs", max_active: "int | None" = None, cache_bonus: float = 0.0) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be positive")
+        if schedule not in ("fcfs", "expert-aware"):
+            raise ValueError(f"unknown schedule {schedule!r}; choose fcfs or expert-aware")
+        if max_active is not None and max_active < max_batch:
+            raise ValueError(f"max_active ({max_active}) must be at least max_batch ({max_batch})")
+        if not cache_bonus >= 0:
+            raise ValueError(f"cache_bonus must be >= 0, got {cache_bonus!r}")
         self.model, self.store = model, store
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        # fcfs: the first max_batch requests run until done. expert-aware: up to max_active requests
+        # hold a KV slot, and each step runs the max_batch of them whose recent experts overlap most.
+        self.schedule = schedule
+        self.max_active = max_active or (4 * max_batch if schedule == "expert-aware" else max_batch)
+        model.cache_bonus = float(cache_bonus)
         self.max_context = max_context or model.cfg.max_position_embeddings
         self.waiting: list = []
         self.running: list = []
@@ -174,12 +187,13 @@ class Engine:
     def step(self) -> list:
         """Schedule, execute, record. Returns [(request id, new token or None, finished)]."""
         t0 = time.perf_counter()
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) < self.max_active:
             self.running.append(self.waiting.pop(0))
         if not self.running:
             return []
+        batch = self._choose() if len(self.running) > self.max_batch else list(self.running)
         chunks = []
-        for r in self.running:
+        for r in batch:
             if r.fed < len(r.prompt):
                 chunks.append(r.prompt[r.fed:r.fed + self.prefill_chunk])
             else:
@@ -188,20 +202,21 @@ class Engine:
         before = (dict(st.hits), dict(st.bytes), st.stall_seconds)
         self._step_routing = []
         self.model.step = self._step_no
-        logits = self.model.forward([r.seq for r in self.running], chunks)
+        logits = self.model.forward([r.seq for r in batch], chunks)
         # Routing of this step's tokens, per request, in feed order: one [tokens, L, k] array per step.
         L, E = self.model.cfg.num_moe_layers, self.model.cfg.num_experts
         per_layer = dict(self._step_routing)
         A = np.stack([per_layer[m] for m in range(L)], axis=1)            # A: [tokens, L, k]
         off = 0
-        for r, c in zip(self.running, chunks):
+        for r, c in zip(batch, chunks):
             r.routing.append(A[off:off + len(c)])
+            r.last_step = self._step_no
             off += len(c)
         seen = np.bincount((A + (np.arange(L) * E)[None, :, None]).reshape(-1), minlength=L * E).reshape(L, E)
         out = []
         finished = []
         now = time.perf_counter()
-        for r, c, lg in zip(self.running, chunks, logits):
+        for r, c, lg in zip(batch, chunks, logits):
             if r.fed < len(r.prompt):
                 r.fed += len(c)
                 if r.fed < len(r.prompt):
@@ -231,6 +246,32 @@ class Engine:
             stall_seconds=st.stall_seconds - before[2], seconds=time.perf_counter() - t0))
         self._step_no += 1
         return out
+
+    def _choose(self) -> list:
+        """Expert-aware batching: max_batch of the active requests, grouped by the overlap of the
+        experts their last token used. The request that has waited longest since it last ran
+        seeds the group (and any request left out for ``4 * max_active / max_batch`` steps is
+        taken first), so nobody starves; then, one at a time, the request whose last experts are
+        most covered by the group's union joins."""
+        L, E = self.model.cfg.num_moe_layers, self.model.cfg.num_experts
+        offs = np.arange(L)[:, None] * E
+        starve = 4 * self.max_active // self.max_batch
+        order = sorted(self.running, key=lambda r: r.last_step)
+        chosen = [r for r in order if self._step_no - r.last_step > starve][: self.max_batch] or order[:1]
+        union: set = set()
+        sets = {}
+        for r in self.running:
+            sets[r.id] = set((r.routing[-1][-1] + offs).reshape(-1).tolist()) if r.routing else set()
+        for r in chosen:
+            union |= sets[r.id]
+        rest = [r for r in order if r not in chosen]
+        while len(chosen) < self.max_batch and rest:
+            # Requests still in prefill have no experts yet: they score 0 and join by age.
+            best = max(rest, key=lambda r: (len(sets[r.id] & union) / len(sets[r.id]) if sets[r.id] else 0.0))
+            chosen.append(best)
+            rest.remove(best)
+            union |= sets[best.id]
+        return chosen
 
     def run(self) -> dict:
         while self.has_work():

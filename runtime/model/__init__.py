@@ -21,7 +21,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     cfg = MoEConfig.from_hf(store_dir)
     m = Manifest.read(store_dir)
     H, I = cfg.expert_in, cfg.expert_intermediate
-    want = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    want = {"gate_up_t": (H, 2 * I), "down_t": (I, H)}
     got = {t.name: tuple(t.shape) for t in m.tensors}
     if (m.num_layers, m.num_experts) != (cfg.num_moe_layers, cfg.num_experts) or got != want:
         raise ValueError(f"{store_dir}: the store holds {m.num_layers} MoE layers x {m.num_experts} experts {got}, "

@@ -28,21 +28,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-def route(logits: torch.Tensor, cfg: MoEConfig, bias: "torch.Tensor | None" = None):
-    """Router variants. logits: [tokens, E] -> (ids [tokens, k], weights [tokens, k] float32)."""
+def route(logits: torch.Tensor, cfg: MoEConfig, bias: "torch.Tensor | None" = None,
+          bonus: "torch.Tensor | None" = None):
+    """Router variants. logits: [tokens, E] -> (ids [tokens, k], weights [tokens, k] float32).
+    ``bonus`` ([E], cache-aware routing): added to the logits (to the scores of a sigmoid router)
+    for choosing experts only; the weights of the chosen experts come from the unbiased router."""
     k = cfg.top_k
     lf = logits.float()
     if cfg.router == "softmax_topk":        # Mixtral, Qwen-MoE, OLMoE: softmax over all, then top-k
         p = lf.softmax(-1)
-        w, ids = p.topk(k, dim=-1)
+        if bonus is None:
+            w, ids = p.topk(k, dim=-1)
+        else:
+            ids = (lf + bonus).topk(k, dim=-1).indices
+            w = p.gather(1, ids)
         if cfg.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
     elif cfg.router == "topk_softmax":      # top-k of the logits, softmax over the chosen
-        top, ids = lf.topk(k, dim=-1)
-        w = top.softmax(-1)
+        ids = (lf if bonus is None else lf + bonus).topk(k, dim=-1).indices
+        w = lf.gather(1, ids).softmax(-1)
     else:                                   # DeepSeek-V3 / Kimi K2: sigmoid, bias-corrected group-limited top-k
         s = lf.sigmoid()
-        sel = s + (bias.float() if bias is not None else 0.0)
+        sel = s + (bias.float() if bias is not None else 0.0) + (bonus if bonus is not None else 0.0)
         T, E = sel.shape
         g = sel.view(T, cfg.n_group, E // cfg.n_group)
         group_score = g.topk(min(2, E // cfg.n_group), dim=-1).values.sum(-1)          # [T, n_group]
@@ -156,6 +163,7 @@ class KVArena:
 class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32) -> None:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
+        self.cache_bonus = 0.0   # cache-aware routing: added to resident experts' router logits
         # Takes ownership of `dense` (converted in place) so replaced tensors are freed at once.
         for k in list(dense):
             dense[k] = dense[k].to(device=device, dtype=dtype)
@@ -299,7 +307,15 @@ class MoEModel:
         cfg = self.cfg
         m = self.moe_index[i]
         logits = F.linear(x, self.w[self._router_name(i)])              # logits: [tokens, E]
-        ids, wts = route(logits, cfg, self.w.get(self._p(i, "mlp.gate.e_score_correction_bias")))
+        bonus = None
+        if self.cache_bonus:
+            # Cache-aware routing: resident experts look better by cache_bonus (off by default:
+            # it changes the model's outputs; bench/exp_cache_routing.py measures by how much).
+            res = self.experts.resident(m)
+            if res:
+                bonus = torch.zeros(cfg.num_experts, device=logits.device)
+                bonus[res] = self.cache_bonus
+        ids, wts = route(logits, cfg, self.w.get(self._p(i, "mlp.gate.e_score_correction_bias")), bonus)
         if self.record is not None:
             self.record(m, ids)
         wts = wts.to(self.dtype)
@@ -322,13 +338,9 @@ class MoEModel:
             for e in wave:
                 t = fetch.tensors(e)
                 a, b = off[e], off[e + 1]
-                gu = t.get("gate_up")
-                if gu is not None:
-                    h = F.linear(xs[a:b], gu)                              # h: [n, 2I] = gate | up
-                    h = F.silu(h[:, :I]) * h[:, I:]
-                else:
-                    h = F.silu(F.linear(xs[a:b], t["gate"])) * F.linear(xs[a:b], t["up"])
-                ys[a:b] = F.linear(h, t["down"])
+                h = torch.mm(xs[a:b], t["gate_up_t"])                      # h: [n, 2I] = gate | up
+                h = F.silu(h[:, :I]) * h[:, I:]
+                ys[a:b] = torch.mm(h, t["down_t"])                         # [n, hidden or latent]
         # Back to (token, slot) order, then sum each token's k expert outputs (cheaper than index_add_ on CPU).
         y = torch.empty_like(ys)
         y[order] = ys * wts.reshape(-1)[order, None]

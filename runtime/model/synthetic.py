@@ -98,4 +98,35 @@ def build_checkpoint(out_dir: str, spec: SyntheticModelSpec = SyntheticModelSpec
         config["moe_latent_size"] = spec.latent_size
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+    if V >= 256:
+        write_byte_tokenizer(out_dir, V)
     return out_dir
+
+
+# A chat template in the Jinja dialect Hugging Face checkpoints use (tokenizer_config.json).
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def write_byte_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """A byte-level tokenizer (ids 0-255: the bytes, GPT-2's byte-to-unicode alphabet; the rest of
+    the vocabulary: plain tokens ``<|xNNN|>``) in tokenizer.json, and a tokenizer_config.json with
+    a chat template - so the synthetic model can be served with text and chat like a real one."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    # GPT-2's byte order: printable bytes map to themselves, the rest to 256+ code points.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    char_of = {b: chr(c) for b, c in zip(bs, cs)}
+    vocab = {char_of[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(f"<|x{i}|>", special=False, normalized=False) for i in range(256, vocab_size)])
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=1)

@@ -17,7 +17,7 @@ import torch
 from cache_policy.jsonfile import read_json
 
 FORMAT = "tiered-moe-store"
-VERSION = 1
+VERSION = 2   # 2: expert tensors stored input-major (gate_up_t, down_t)
 ALIGN = 4096
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -79,6 +79,16 @@ class Manifest:
                 "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "offset": t.offset}
                             for t in self.tensors],
                 "layer_numbers": self.layer_numbers, "checksums": self.checksums, "extra": self.extra}
+
+    @staticmethod
+    def current(store_dir: str) -> bool:
+        """Whether ``store_dir`` holds a store this version reads (used to rebuild caches)."""
+        try:
+            with open(os.path.join(store_dir, "manifest.json")) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return d.get("format") == FORMAT and d.get("version") == VERSION
 
     @staticmethod
     def read(store_dir: str) -> "Manifest":

@@ -111,6 +111,7 @@ class StoreStats:
     stall_seconds: float = 0.0
     requests: int = 0
     waves: int = 0   # extra waves: layers whose experts did not fit the device tier at once
+    layer_hits: list = field(default_factory=list)   # [layer] -> [device, host, disk] accesses served there
 
 
 class Fetch:
@@ -196,7 +197,7 @@ class ExpertStore:
         self.disk = DiskTier(store_dir, m, direct=direct_io)
         self._slot_views: dict = {}
         self.verify = verify
-        self.stats = StoreStats()
+        self.stats = StoreStats(layer_hits=[[0, 0, 0] for _ in range(L)])
         self.inflight: dict = {}      # key -> Future of its device copy
         self._lock = threading.Lock()
         self.demand_pool = ThreadPoolExecutor(threads, thread_name_prefix="tiered-moe-demand")
@@ -236,11 +237,6 @@ class ExpertStore:
             blob = self.dev.data[slot]
             v = self._slot_views[slot] = {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
                                           for ts in self.m.tensors}
-            spec = {ts.name: ts for ts in self.m.tensors}
-            g, u = spec.get("gate"), spec.get("up")
-            if g and u and u.offset == g.offset + g.nbytes and g.shape == u.shape and g.dtype == u.dtype:
-                # gate and up lie back to back in the blob: one [2I, H] matrix, one matmul for both.
-                v["gate_up"] = blob[g.offset:u.offset + u.nbytes].view(_DTYPES[g.dtype]).view(2 * g.shape[0], g.shape[1])
         return v
 
     def _move(self, key: int, from_disk: bool, after=None) -> None:
@@ -312,6 +308,10 @@ class ExpertStore:
         self.stats.hits["device"] += d["hits"]
         self.stats.hits["disk"] += len(d["from_disk"])
         self.stats.hits["host"] += len(d["misses"]) - len(d["from_disk"])
+        lh = self.stats.layer_hits[layer]
+        lh[0] += d["hits"]
+        lh[1] += len(d["misses"]) - len(d["from_disk"])
+        lh[2] += len(d["from_disk"])
         plan = d["wave_plan"]
         if plan is not None:
             keys, new, ev = plan[0]
@@ -349,12 +349,30 @@ class ExpertStore:
                     self.dev.release(k)
         self.placement.end_step()
 
+    def resident(self, layer: int) -> list:
+        """Experts of ``layer`` holding a device slot now (loaded or loading)."""
+        E = self.m.num_experts
+        lo = layer * E
+        return [k - lo for k in self.dev.slot_of if lo <= k < lo + E]
+
     def resident_bytes(self) -> dict:
         return {"device": (self.dev.data.shape[0] - len(self.dev.free)) * self.m.blob_stride,
                 "host": (self.host.data.shape[0] - len(self.host.free)) * self.m.blob_stride}
 
     def capacity_bytes(self) -> dict:
         return {"device": self.dev.nbytes, "host": self.host.nbytes}
+
+    def snapshot(self) -> dict:
+        """Cumulative counters and current gauges, plain numbers (what the metrics endpoint mirrors)."""
+        st, pl, stride = self.stats, self.placement, self.m.blob_stride
+        res, cap = self.resident_bytes(), self.capacity_bytes()
+        return {"hits": dict(st.hits), "layer_hits": [list(x) for x in st.layer_hits], "bytes": dict(st.bytes),
+                "evictions": {"device": pl.device_evictions, "host": pl.host_evictions},
+                "prefetch": {"issued": pl.prefetch_issued, "used": pl.prefetch_used, "wasted": pl.prefetch_wasted},
+                "resident_bytes": res, "capacity_bytes": cap,
+                "resident_experts": {k: v // stride for k, v in res.items()},
+                "capacity_experts": {k: v // stride for k, v in cap.items()},
+                "stall_seconds": st.stall_seconds, "waves": st.waves}
 
     def close(self) -> None:
         if self.closed:

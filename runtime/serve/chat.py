@@ -1,0 +1,67 @@
+"""Chat messages -> prompt text: the checkpoint's own chat template, or a documented fallback.
+
+Template: ``chat_template`` of ``tokenizer_config.json`` (a string, or a list of named templates
+whose ``default`` is used), rendered with Jinja2 in a sandbox as Hugging Face does, with
+``messages``, ``add_generation_prompt=True``, ``bos_token`` and ``eos_token``.
+Fallback (no template): each message as ``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+FALLBACK = "fallback: <|role|>\\ncontent\\n per message, then <|assistant|>\\n"
+
+
+class ChatFormatter:
+    def __init__(self, model_dir: str) -> None:
+        self.template = None
+        self.bos = self.eos = ""
+        path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    tc = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+            t = tc.get("chat_template")
+            if isinstance(t, list):
+                t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+            if t is not None and not isinstance(t, str):
+                raise ValueError(f"{path}: chat_template is neither a string nor a list of named templates")
+            self.bos = _token_text(tc.get("bos_token"))
+            self.eos = _token_text(tc.get("eos_token"))
+            if t:
+                from jinja2 import TemplateError
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                try:
+                    self.template = env.from_string(t)
+                except TemplateError as e:
+                    raise ValueError(f"{path}: chat_template does not compile ({e})") from None
+
+    @property
+    def source(self) -> str:
+        return "tokenizer_config.json chat_template" if self.template is not None else FALLBACK
+
+    def render(self, messages: list) -> str:
+        if self.template is None:
+            return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        from jinja2 import TemplateError
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos,
+                                        eos_token=self.eos)
+        except TemplateError as e:
+            raise ValueError(f"the model's chat template rejected these messages: {e}") from None
+
+
+def _token_text(t) -> str:
+    if isinstance(t, dict):
+        return t.get("content", "") or ""
+    return t or ""
+
+
+def _raise(msg):
+    from jinja2 import TemplateError
+    raise TemplateError(msg)

@@ -1,0 +1,155 @@
+"""The engine process: the decoding loop behind the HTTP front-end, fed over ZeroMQ.
+
+Sockets: PULL (requests from the front-end) and PUSH (tokens and records back), both connected
+to ``ipc://`` endpoints the front-end bound in its private temp directory. ZeroMQ's own I/O thread
+moves the bytes, so the loop only polls between steps: with work it never blocks (timeout 0),
+idle it waits up to 100 ms. One ``step`` message per engine step carries that step's tokens,
+its record and the store's cumulative counters.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from .protocol import decode, encode
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device_budget: "int | None" = None
+    kv_cache_budget: int = 0
+    host_budget: "int | None" = None
+    policy: str = "lru"
+    scope: str = "global"
+    prefetch: str = "none"
+    max_batch: int = 16
+    prefill_chunk: int = 64
+    threads: "int | None" = None
+    expert_budget: "int | None" = None   # bytes of device expert slots directly (instead of device_budget)
+    cache_bonus: float = 0.0
+    schedule: str = "fcfs"
+    max_active: "int | None" = None
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(os.path.join(self.model, "manifest.json")):
+            raise ValueError(f"--model {self.model!r}: not a store directory (no manifest.json); "
+                             f"run 'tiered-moe convert' first")
+        if self.policy not in ("lru", "lfu", "freq", "none"):
+            raise ValueError(f"--policy {self.policy!r}: use lru, lfu, freq or none")
+        if self.scope not in ("layer", "global"):
+            raise ValueError(f"--scope {self.scope!r}: use layer or global")
+        if self.prefetch not in ("none", "freq", "transition", "lookahead"):
+            raise ValueError(f"--prefetch {self.prefetch!r}: use none, freq, transition or lookahead")
+        if self.max_batch < 1 or self.prefill_chunk < 1:
+            raise ValueError("--max-batch and --prefill-chunk must be at least 1")
+        if not self.cache_bonus >= 0:
+            raise ValueError(f"--cache-bonus must be >= 0, got {self.cache_bonus}")
+        if self.schedule not in ("fcfs", "expert-aware"):
+            raise ValueError(f"--schedule {self.schedule!r}: use fcfs or expert-aware")
+        if self.max_active is not None and self.max_active < self.max_batch:
+            raise ValueError(f"--max-active ({self.max_active}) must be at least --max-batch ({self.max_batch})")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
+
+
+def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) -> None:
+    """Entry point of the spawned engine process."""
+    import zmq
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    push = ctx.socket(zmq.PUSH)
+    pull.connect(to_engine)
+    push.connect(from_engine)
+    push.setsockopt(zmq.LINGER, 2000)
+    try:
+        _serve(EngineConfig(**cfg), pull, push, parent_pid)
+    except Exception as e:  # noqa: BLE001 - reported to the front-end, which owns the user's terminal
+        try:
+            push.send(encode("error", message=f"{type(e).__name__}: {e}"))
+        except Exception:  # noqa: BLE001
+            pass
+        print(f"tiered-moe engine: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+
+
+def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
+    import torch
+    import zmq
+    from ..engine import Engine, SamplingParams
+    from ..model import load_model
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, store = load_model(cfg.model, device_budget=cfg.device_budget, expert_budget=cfg.expert_budget, kv_cache_bytes=cfg.kv_cache_budget,
+                              host_budget=cfg.host_budget, policy=cfg.policy, scope=cfg.scope)
+    try:
+        eng = Engine(model, store, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk, prefetch=cfg.prefetch,
+                     cache_bonus=cfg.cache_bonus, schedule=cfg.schedule, max_active=cfg.max_active)
+        mc = model.cfg
+        push.send(encode("ready", model=os.path.basename(os.path.abspath(cfg.model)), vocab_size=mc.vocab_size,
+                         max_context=eng.max_context, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,
+                         pid=os.getpid(), stats={**store.snapshot(), "running": 0, "waiting": 0}))
+        iid_of: dict = {}   # front-end request id -> engine id
+        rid_of: dict = {}
+        last_stats = 0.0
+        while True:
+            if os.getppid() != parent_pid:   # the front-end died without a shutdown: do not linger
+                return
+            rejected = []
+            if pull.poll(0 if eng.has_work() else 100):
+                while True:
+                    try:
+                        msg = decode(pull.recv(flags=zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    kind = msg["type"]
+                    if kind == "shutdown":
+                        return
+                    if kind == "add":
+                        try:
+                            params = SamplingParams(**msg["params"])
+                            iid = eng.add_request(msg["prompt"], params)
+                        except (ValueError, TypeError) as e:
+                            rejected.append([msg["rid"], str(e)])
+                            continue
+                        iid_of[msg["rid"]] = iid
+                        rid_of[iid] = msg["rid"]
+                    elif kind == "abort":
+                        iid = iid_of.pop(msg["rid"], None)
+                        if iid is not None:
+                            eng.abort(iid)
+                            eng.done.pop(iid, None)
+                            rid_of.pop(iid, None)
+            outputs, record = [], {}
+            if eng.has_work():
+                for iid, tok, finished in eng.step():
+                    if tok is None:
+                        continue
+                    r = eng.done.get(iid) if finished else None
+                    outputs.append([rid_of[iid], int(tok), r.finish_reason if r else None])
+                    if finished:
+                        eng.done.pop(iid, None)
+                        iid_of.pop(rid_of.pop(iid), None)
+                rec = eng.steps.pop()
+                eng.steps.clear()   # a server runs forever: records go out, not into a list
+                record = asdict(rec)
+                record["mean_unique_experts"] = sum(rec.unique_experts) / max(1, len(rec.unique_experts))
+                del record["unique_experts"]
+            now = time.monotonic()
+            if outputs or rejected or record or now - last_stats > 1.0:
+                last_stats = now
+                stats = store.snapshot()
+                stats["running"], stats["waiting"] = len(eng.running), len(eng.waiting)
+                push.send(encode("step", outputs=outputs, rejected=rejected, record=record, stats=stats))
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    import json
+    engine_main(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -1,0 +1,111 @@
+"""Prometheus metrics of one server, in its own registry (no global state, two servers in one
+process never share counters).
+
+Expert-cache counters live in the engine process; each ``step`` message carries their cumulative
+values and the front-end exposes them through a custom collector (what an exporter does), so a
+counter never goes backwards and never double counts. Histograms of per-step values and request
+latencies are observed here as messages arrive. Labels are bounded: ``tier`` (device, host, disk),
+``layer`` (the model's MoE layers), ``link`` (disk_to_host, host_to_device), ``finish_reason``.
+
+A device hit-rate panel in PromQL:
+  sum(rate(tiered_moe_expert_hits_total{tier="device"}[1m]))
+    / (sum(rate(tiered_moe_expert_hits_total{tier="device"}[1m])) + sum(rate(tiered_moe_expert_misses_total{tier="device"}[1m])))
+"""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+P = "tiered_moe_"
+_SECONDS_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_SECONDS_SLOW = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class _StoreCollector:
+    """Mirrors the engine's cumulative store counters and gauges (the latest ``stats``)."""
+
+    def __init__(self) -> None:
+        self.stats: "dict | None" = None
+        self.lock = threading.Lock()
+
+    def update(self, stats: dict) -> None:
+        with self.lock:
+            self.stats = stats
+
+    def collect(self):
+        with self.lock:
+            s = self.stats
+        if s is None:
+            return
+        hits = CounterMetricFamily(P + "expert_hits", "Expert accesses found resident in a tier", labels=["tier", "layer"])
+        misses = CounterMetricFamily(P + "expert_misses", "Expert accesses not resident in a tier (device: loaded from "
+                                     "host or disk; host: read from disk)", labels=["tier", "layer"])
+        for layer, (dev, host, disk) in enumerate(s["layer_hits"]):
+            hits.add_metric(["device", str(layer)], dev)
+            misses.add_metric(["device", str(layer)], host + disk)
+            hits.add_metric(["host", str(layer)], host)
+            misses.add_metric(["host", str(layer)], disk)
+        yield hits
+        yield misses
+        moved = CounterMetricFamily(P + "transfer_bytes", "Expert bytes moved between tiers", labels=["link"])
+        for link, v in s["bytes"].items():
+            moved.add_metric([link], v)
+        yield moved
+        ev = CounterMetricFamily(P + "expert_evictions", "Experts dropped from a tier", labels=["tier"])
+        for tier, v in s["evictions"].items():
+            ev.add_metric([tier], v)
+        yield ev
+        for what, doc in (("issued", "Experts loaded ahead of need by the prefetcher"),
+                          ("used", "Prefetched experts that a later demand access used"),
+                          ("wasted", "Prefetched experts evicted before any use")):
+            yield CounterMetricFamily(P + f"prefetch_{what}", doc, value=s["prefetch"][what])
+        for name, key, doc in (("resident_experts", "resident_experts", "Experts resident in a tier"),
+                               ("resident_bytes", "resident_bytes", "Bytes of experts resident in a tier"),
+                               ("capacity_experts", "capacity_experts", "Expert slots of a tier"),
+                               ("capacity_bytes", "capacity_bytes", "Bytes of expert slots of a tier")):
+            g = GaugeMetricFamily(P + name, doc, labels=["tier"])
+            for tier, v in s[key].items():
+                g.add_metric([tier], v)
+            yield g
+        yield GaugeMetricFamily(P + "requests_running", "Requests in the running batch", value=s.get("running", 0))
+        yield GaugeMetricFamily(P + "requests_waiting", "Requests waiting for a batch slot", value=s.get("waiting", 0))
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.store = _StoreCollector()
+        r.register(self.store)
+        self.engine_up = Gauge(P + "engine_up", "1 while the engine process is alive", registry=r)
+        self.stall = Histogram(P + "expert_stall_seconds", "Per step: time compute waited for experts",
+                               buckets=(0.0,) + _SECONDS_FAST, registry=r)
+        self.step = Histogram(P + "step_duration_seconds", "Engine step time (schedule, execute, record)",
+                              buckets=_SECONDS_FAST, registry=r)
+        self.batch = Histogram(P + "step_batch_size", "Sequences in a step", buckets=_COUNTS, registry=r)
+        self.unique = Histogram(P + "step_unique_experts", "Per step: distinct experts per MoE layer (mean over layers)",
+                                buckets=_COUNTS, registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=_SECONDS_SLOW, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=_SECONDS_FAST + (5.0,), registry=r)
+        self.e2e = Histogram(P + "request_duration_seconds", "Request arrival to its last token",
+                             buckets=_SECONDS_SLOW, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter(P + "requests", "Finished requests", ["finish_reason"], registry=r)
+        self.steps_total = Counter(P + "steps", "Engine steps", registry=r)
+
+    def on_step(self, record: dict, stats: dict) -> None:
+        self.store.update(stats)
+        if record:
+            self.steps_total.inc()
+            self.stall.observe(record["stall_seconds"])
+            self.step.observe(record["seconds"])
+            self.batch.observe(record["batch"])
+            self.unique.observe(record["mean_unique_experts"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

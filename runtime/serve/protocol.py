@@ -1,0 +1,55 @@
+"""Typed messages between the HTTP front-end and the engine process, as msgpack (never pickle).
+
+Each message is a msgpack map with a ``type`` field; ``decode`` checks the type and the fields
+it needs, so a malformed frame is an error naming the field, not a crash later.
+
+front-end -> engine (PUSH -> PULL):
+  add      {rid: str, prompt: [int], params: {max_tokens, temperature, top_p, top_k, seed, stop_token_ids}}
+  abort    {rid: str}
+  shutdown {}
+engine -> front-end (PUSH -> PULL):
+  ready    {model: str, vocab_size: int, max_context: int, num_layers: int, num_experts: int, pid: int, stats: {...}}
+  step     {outputs: [[rid, token, finish_reason or None]], rejected: [[rid, message]],
+            record: {...one step's record...}, stats: {...cumulative store counters and gauges...}}
+  error    {message: str}   (start-up failed; the engine exits)
+"""
+from __future__ import annotations
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+_FIELDS = {
+    "add": {"rid": str, "prompt": list, "params": dict},
+    "abort": {"rid": str},
+    "shutdown": {},
+    "ready": {"model": str, "vocab_size": int, "max_context": int, "num_layers": int, "num_experts": int, "pid": int,
+              "stats": dict},
+    "step": {"outputs": list, "rejected": list, "record": dict, "stats": dict},
+    "error": {"message": str},
+}
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+def encode(kind: str, **fields) -> bytes:
+    if kind not in _FIELDS:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    return msgpack.packb({"type": kind, "v": PROTOCOL_VERSION, **fields}, use_bin_type=True)
+
+
+def decode(frame: bytes) -> dict:
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types
+        raise ProtocolError(f"undecodable frame ({len(frame)} bytes): {e}") from None
+    if not isinstance(msg, dict) or msg.get("type") not in _FIELDS:
+        raise ProtocolError(f"frame is not a known message: type {msg.get('type') if isinstance(msg, dict) else None!r}")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"message of protocol version {msg.get('v')!r}, expected {PROTOCOL_VERSION}")
+    for name, typ in _FIELDS[msg["type"]].items():
+        if not isinstance(msg.get(name), typ):
+            raise ProtocolError(f"{msg['type']} message: field {name!r} missing or not {typ.__name__}")
+    return msg
