@@ -1,0 +1,127 @@
+"""Each experiment's --quick mode, checked against what must hold (formulas, bounds, oracles)."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("experiments")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("expmodel"))
+
+
+def _files(out, name):
+    for suffix in (".md", ".json", ".png"):
+        assert (out / f"{name}{suffix}").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_regimes_quick(out):
+    import exp_regimes
+    exp_regimes.main(["--quick", "--jobs", "1", "--outdir", str(out)])
+    d = _files(out, "exp_regimes")
+    rows = d["rows"]
+    for r in rows:
+        assert 0 <= r["hit_device"] <= 1 and r["effective_batch"] <= r["batch"] + 1e-9
+        # Belady (MIN) is the bound of every demand-only policy at the same point.
+        if r["policy"] != "belady" and r["prefetch"] == "none":
+            bel = next(x for x in rows if x["policy"] == "belady" and
+                       (x["trace"], x["capacity"], x["batch"]) == (r["trace"], r["capacity"], r["batch"]))
+            assert r["hit_device"] <= bel["hit_device"] + 1e-12
+    # Batch 1: one token, top-k experts per layer per step.
+    assert all(r["unique_per_layer_step"] == 6 for r in rows if r["batch"] == 1)
+    assert set(d["tiering_stops_paying_batch"]) == {"deepseek-v2-lite", "flame-moe-290m", "synthetic-local"}
+
+
+def test_k3_quick(out):
+    import exp_k3
+    exp_k3.main(["--quick", "--jobs", "1", "--outdir", str(out)])
+    d = _files(out, "exp_k3")
+    f = {k: v["value"] for k, v in d["figures"].items()}
+    assert f["expert_params"] == 3 * 3584 * 3072
+    for r in d["rows"]:
+        if r["batch"] == 1:
+            # Demand only, host holds all: every device miss of the 93 x 16 experts a token needs moves one blob.
+            want = (1 - r["hit_device"]) * 93 * 16 * f["expert_bytes_mxfp4"]
+            assert r["h2d_bytes_per_token"] == pytest.approx(want, rel=1e-9)
+        assert r["tokens_per_s"] <= r["all_resident_tokens_per_s"] * (1 + 1e-9)
+    uni = next(r for r in d["rows"] if r["level"] == "uniform" and r["batch"] == 1)
+    strong = next(r for r in d["rows"] if r["level"] == "strong" and r["batch"] == 1)
+    assert strong["hit_device"] > uni["hit_device"]
+    # Uniform routing over 896 experts with 6.4% of them resident: about that hit rate.
+    assert uni["hit_device"] == pytest.approx(uni["device_slots"] / (93 * 896), abs=0.03)
+
+
+def test_locality_quick(out):
+    import exp_locality
+    exp_locality.main(["--quick", "--jobs", "1", "--outdir", str(out)])
+    d = _files(out, "exp_locality")
+    rows = d["rows"]
+    uni = [r for r in rows if r["zipf_s"] == 0 and r["persistence"] == 0]
+    # Uniform routing: unique experts per layer per step = E(1 - (1 - k/E)^B) (64 tokens, 6 of 64).
+    assert np.mean([r["unique_per_layer_step"] for r in uni]) == pytest.approx(64 * (1 - (1 - 6 / 64) ** 64), rel=0.03)
+    skewed = [r for r in rows if r["zipf_s"] == 3.0 and r["persistence"] == 0]
+    assert min(r["hit_device"] for r in skewed) > max(r["hit_device"] for r in uni)
+
+
+def test_cache_routing_quick(out, workdir):
+    import exp_cache_routing
+    exp_cache_routing.main(["--quick", "--outdir", str(out), "--workdir", workdir])
+    rows = _files(out, "exp_cache_routing")["rows"]
+    base = rows[0]
+    assert base["delta"] == 0 and base["kl_mean"] == 0 and base["greedy_agreement"] == 1
+    assert base["reference_argmax_match"] == 1.0   # teacher forcing reproduces the greedy text
+    assert rows[1]["hit_device"] >= base["hit_device"] and rows[1]["kl_mean"] >= 0
+
+
+def test_batching_quick(out, workdir):
+    import exp_batching
+    exp_batching.main(["--quick", "--outdir", str(out), "--workdir", workdir])
+    d = _files(out, "exp_batching")
+    assert d["outputs_identical"]
+    f, e = d["rows"]
+    assert (f["schedule"], e["schedule"]) == ("fcfs", "expert-aware")
+    assert e["unique_per_layer_full_steps"] <= f["unique_per_layer_full_steps"]
+
+
+def test_prediction_quick(out, workdir):
+    import exp_common as ec
+    import exp_prediction
+    exp_prediction.main(["--quick", "--outdir", str(out), "--workdir", workdir])
+    d = _files(out, "exp_prediction")
+    rows = {r["prefetcher"]: r for r in d["rows"]}
+    # Brute-force oracle for the static baseline: the 6 most used experts per layer in the fit
+    # prompts, scored against every (token, layer >= 1) of the held-out prompts.
+    ds = ec.shared_trace("deepseek-v2-lite-train.npz")
+    train = ec.subset(ds, sequences=40, max_len=16)
+    cut = int(0.8 * ds.num_sequences)
+    test = ec.subset(ds, start=cut, sequences=10, max_len=16)
+    hits = 0
+    for l in range(1, ds.num_layers):
+        counts = {}
+        for e in train.ids[:, l].reshape(-1).tolist():
+            counts[e] = counts.get(e, 0) + 1
+        top = set(sorted(counts, key=lambda e: (-counts[e], e))[:6])
+        hits += sum(len(top & set(row.tolist())) for row in test.ids[:, l])
+    want = hits / (test.num_tokens * (ds.num_layers - 1) * 6)
+    assert rows["popularity (fitted)"]["precision"] == pytest.approx(want)
+    assert rows["transition (fitted)"]["precision"] > 6 / 64
+    assert {r["prefetcher"] for r in d["live"]} == {"freq", "transition", "lookahead"}
+
+
+def test_runner_lists_every_experiment():
+    import run_experiments
+    names = {n for n, _ in run_experiments.EXPERIMENTS}
+    scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "bench")) if f.startswith("exp_") and f.endswith(".py")}
+    assert names == scripts - {"exp_common", "exp_live_common"}
