@@ -367,7 +367,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, self._full(chat, rid, detok.text, finish, len(prompt), state["n"]))
         finally:
             if state.get("open", True):
-                a.engine.abort(rid)   # no-op for a finished request; frees a disconnected one's KV and slot
+                a.engine.abort(rid)   # frees a disconnected (or stop-string) request's KV and slot
+            if not state.get("finished"):
+                a.metrics.requests.labels("abort").inc()
 
     def _events(self, q, detok, state, t0, rid):
         """Yields (delta, finish_reason or None) as tokens arrive."""
@@ -400,6 +402,7 @@ class _Handler(BaseHTTPRequestHandler):
             if reason is not None:
                 delta += detok.finish()
                 m.requests.labels(reason).inc()
+                state["finished"] = True
                 m.e2e.observe(when - t0)
                 a.engine.release(rid)
                 state["open"] = hit_stop   # the engine still runs a request cut by a stop string: abort it

@@ -233,6 +233,7 @@ def test_disconnect_mid_stream_frees_the_request(server):
         time.sleep(0.2)
     generated = metric(server, "tiered_moe_generation_tokens_total") - before
     assert metric(server, "tiered_moe_requests_running") == 0
+    assert metric(server, "tiered_moe_requests_total", {"finish_reason": "abort"}) >= 1
     assert generated < 3000   # aborted long before max_tokens
     # The freed slot serves the next request normally.
     assert client(server).completions.create(model=server.model_name, prompt="after", max_tokens=3).usage.completion_tokens == 3
