@@ -231,6 +231,8 @@ class MoEModel:
         rot = self._rope_interleaved if cfg.rope_interleave else (lambda t, c, s_: t * c + rotate_half(t) * s_)
         K = self.kv.k[i]                                                 # [slots, 1, cap, lat+rope]
         kv_b = w[self._p(i, "self_attn.kv_b_proj.weight")]
+        if all(b - a == 1 for a, b in spans):
+            return self._mla_decode(i, q, latent, k_rot, seqs, rot, K, kv_b)
         out = torch.empty(x.shape[0], nh, vd, dtype=x.dtype, device=x.device)
         for s, (a, b) in zip(seqs, spans):
             p0, n_new = s.length, b - a
@@ -247,6 +249,30 @@ class MoEModel:
                                                scale=mla_softmax_scale(cfg))  # o: [1, heads, new, v]
             out[a:b] = o[0].transpose(0, 1)
         return F.linear(out.reshape(-1, nh * vd), w[self._p(i, "self_attn.o_proj.weight")])
+
+    def _mla_decode(self, i, q, latent, k_rot, seqs, rot, K, kv_b) -> torch.Tensor:
+        """One token per sequence, all sequences at once, attending in the latent space: kv_b's key
+        half is absorbed into the query and its value half applied after the weighted sum, so the
+        cached latents are never expanded to per-head keys and values (DeepSeek's weight absorption)."""
+        cfg = self.cfg
+        nh, nope, vd, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        B = len(seqs)
+        pos = torch.tensor([s.length for s in seqs], device=q.device)
+        sl = torch.tensor([s.slot for s in seqs], device=q.device)
+        cos, sin = self._rope(pos)                                       # [B, rope]
+        q_rope = rot(q[:, :, nope:], cos[:, None], sin[:, None])         # [B, heads, rope]
+        K[sl, 0, pos] = torch.cat([latent, rot(k_rot, cos, sin)], dim=-1)
+        n = int(pos.max()) + 1
+        cache = K[sl, 0, :n]                                             # cache: [B, n, lat+rope]
+        wkv = kv_b.view(nh, nope + vd, lat)
+        q_lat = torch.einsum("bhd,hdl->bhl", q[:, :, :nope], wkv[:, :nope])          # [B, heads, lat]
+        scores = (torch.einsum("bhl,bnl->bhn", q_lat, cache[..., :lat]) +
+                  torch.einsum("bhr,bnr->bhn", q_rope, cache[..., lat:])) * mla_softmax_scale(cfg)
+        mask = torch.arange(n, device=q.device)[None, :] <= pos[:, None]             # mask: [B, n]
+        p = scores.float().masked_fill(~mask[:, None, :], float("-inf")).softmax(-1).to(q.dtype)
+        ctx = torch.einsum("bhn,bnl->bhl", p, cache[..., :lat])                       # [B, heads, lat]
+        out = torch.einsum("bhl,hvl->bhv", ctx, wkv[:, nope:])                        # [B, heads, v]
+        return F.linear(out.reshape(B, nh * vd), self.w[self._p(i, "self_attn.o_proj.weight")])
 
     def _attention(self, i: int, x: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
         """x: [tokens, hidden], tokens of several sequences back to back (spans: (start, end))."""
