@@ -48,6 +48,8 @@ class MoEConfig:
     rope_interleave: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    sliding_window: int = 0            # > 0: layers in sliding_layers attend to the last sliding_window tokens only
+    sliding_layers: list = field(default_factory=list)
     eos_token_ids: list = field(default_factory=list)
     bos_token_id: "int | None" = None
     source: str = "<memory>"
@@ -132,6 +134,23 @@ class MoEConfig:
                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                       max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                       eos_token_ids=eos, bos_token_id=d.get("bos_token_id"), source=source)
+        # Sliding-window attention, by transformers' rules: Mixtral and Qwen3-MoE apply `sliding_window`
+        # to every layer (Qwen3-MoE only with use_sliding_window); Qwen2-MoE, with use_sliding_window,
+        # to the even-indexed layers below max_window_layers; `layer_types` (newer configs) says it
+        # per layer.
+        window = int(d.get("sliding_window") or 0)
+        if window and mt in ("qwen2_moe", "qwen3_moe") and not d.get("use_sliding_window", False):
+            window = 0
+        if window and mt in ("olmoe", "deepseek_v3"):
+            raise ValueError(f"{source}: sliding_window is not supported for {mt}")
+        if window:
+            if d.get("layer_types"):
+                sliding = [i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention"]
+            elif mt == "qwen2_moe":
+                sliding = [i for i in range(L) if i % 2 == 0 and i < int(d.get("max_window_layers", 28))]
+            else:
+                sliding = list(range(L))
+            common.update(sliding_window=window, sliding_layers=sliding)
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (only silu / SwiGLU)")
         if mt == "mixtral":

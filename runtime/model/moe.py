@@ -164,6 +164,7 @@ class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32) -> None:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.cache_bonus = 0.0   # cache-aware routing: added to resident experts' router logits
+        self.sliding = set(cfg.sliding_layers) if cfg.sliding_window else set()
         # Takes ownership of `dense` (converted in place) so replaced tensors are freed at once.
         for k in list(dense):
             dense[k] = dense[k].to(device=device, dtype=dtype)
@@ -304,7 +305,10 @@ class MoEModel:
             V[sl, :, pos] = v
             n = int(pos.max()) + 1
             kk, vv = K[sl, :, :n], V[sl, :, :n]                          # [B, kv, n, hd]
-            mask = torch.arange(n, device=x.device)[None, :] <= pos[:, None]   # mask: [B, n]
+            keys = torch.arange(n, device=x.device)[None, :]
+            mask = keys <= pos[:, None]                                  # mask: [B, n]
+            if i in self.sliding:
+                mask &= keys > pos[:, None] - cfg.sliding_window
             out = F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask[:, None, None, :],
                                                  enable_gqa=True).reshape(B, nh * hd)
             return F.linear(out, w[self._p(i, "self_attn.o_proj.weight")])
@@ -318,7 +322,10 @@ class MoEModel:
             V[s.slot, :, p0:p0 + n_new] = v[a:b].transpose(0, 1)
             ctx = p0 + n_new
             kk, vv = K[s.slot, :, :ctx], V[s.slot, :, :ctx]              # [kv, ctx, hd]
-            causal = torch.arange(ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
+            qpos = torch.arange(n_new, device=x.device)[:, None] + p0
+            causal = torch.arange(ctx, device=x.device)[None, :] <= qpos
+            if i in self.sliding:
+                causal &= torch.arange(ctx, device=x.device)[None, :] > qpos - cfg.sliding_window
             o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kk[None], vv[None], attn_mask=causal,
                                                enable_gqa=True)                 # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)

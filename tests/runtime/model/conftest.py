@@ -26,6 +26,15 @@ ARCHS = {
         num_key_value_heads=4, eos_token_id=None, bos_token_id=None,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # Sliding-window attention, shorter than the test's prompt + 32 generated tokens.
+    "mixtral_swa": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=16, num_experts_per_tok=2,
+                                                                 sliding_window=6)),
+    "qwen2_moe_swa": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=1, use_sliding_window=True, sliding_window=5, max_window_layers=3)),
+    "qwen3_moe_swa": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, head_dim=16,
+        use_sliding_window=True, sliding_window=7)),
     "qwen3_moe_yarn": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, head_dim=16,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16})),

@@ -122,3 +122,24 @@ def test_quantized_checkpoints_are_refused(hf_model, tmp_path):
     save_file({k: (v.to(torch.float8_e4m3fn) if ".experts." in k else v) for k, v in w.items()}, f)
     with pytest.raises(ValueError, match="a quantized checkpoint"):
         convert(d, str(tmp_path / "s"))
+
+
+def test_sliding_window_layers_follow_transformers_rules():
+    """Which layers slide, for configs without `layer_types` (older checkpoints): transformers'
+    own config classes decide, and ours must agree."""
+    import transformers
+    from runtime.model import MoEConfig
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=2, sliding_window=5)
+    cases = [("mixtral", transformers.MixtralConfig, dict(num_local_experts=8)),
+             ("qwen2_moe", transformers.Qwen2MoeConfig, dict(num_experts=8, moe_intermediate_size=16,
+                                                             use_sliding_window=True, max_window_layers=3)),
+             ("qwen2_moe", transformers.Qwen2MoeConfig, dict(num_experts=8, moe_intermediate_size=16,
+                                                             use_sliding_window=False))]
+    for mt, C, kw in cases:
+        hf = C(**base, **kw)
+        d = {**base, **kw, "model_type": mt}
+        ours = MoEConfig.from_dict(d)
+        types = getattr(hf, "layer_types", None) or ["sliding_attention" if hf.sliding_window else "full_attention"] * 6
+        want = [i for i, t in enumerate(types) if t == "sliding_attention"] if hf.sliding_window else []
+        assert (ours.sliding_layers if ours.sliding_window else []) == want, (mt, kw)
