@@ -88,10 +88,7 @@ def main(argv=None):
     ax[1].set_xlabel("batch")
     ax[1].set_ylabel(f"device hit rate ({policies[0]})")
     ax[0].legend(fontsize=7)
-    fig.tight_layout()
-    rep.figure(fig, ".png", "expert-aware batching")
-    rep.write()
-    return rep
+    return rep.finish(fig, "expert-aware batching")
 
 
 if __name__ == "__main__":

@@ -125,10 +125,7 @@ def main(argv=None):
     ax[1].set_xlabel("mean KL(p_0 || p_delta), nats")
     ax[1].set_ylabel("device hit rate")
     ax[0].legend(fontsize=7)
-    fig.tight_layout()
-    rep.figure(fig, ".png", "hit rate vs delta and vs KL")
-    rep.write()
-    return rep
+    return rep.finish(fig, "hit rate vs delta and vs KL")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,13 @@ class Report:
         self.lines += [f"![{caption}]({os.path.basename(path)})", ""]
         return path
 
+    def finish(self, fig, caption: str) -> "Report":
+        """The report's plot (<name>.png) and files; what every experiment ends with."""
+        fig.tight_layout()
+        self.figure(fig, ".png", caption)
+        self.write()
+        return self
+
     def write(self) -> str:
         self.add(f"Run time: {time.time() - self.t0:.0f} s.", "")
         with open(self.path(".md"), "w") as f:

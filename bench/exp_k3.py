@@ -144,10 +144,7 @@ def main(argv=None):
                 label="stream every expert once per step")
         ax.set_title(f"K3 on one H200, scenario {s} (best of {', '.join(policies)})", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    rep.figure(fig, ".png", "K3 projected tokens/s by batch and locality")
-    rep.write()
-    return rep
+    return rep.finish(fig, "K3 projected tokens/s by batch and locality")
 
 
 if __name__ == "__main__":

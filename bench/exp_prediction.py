@@ -147,10 +147,7 @@ def main(argv=None):
     ax.set_yticks([j + 0.2 for j in range(len(names))], names, fontsize=7)
     ax.set_xlabel("precision (held-out DeepSeek-V2-Lite prompts)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    rep.figure(fig, ".png", "prefetcher precision")
-    rep.write()
-    return rep
+    return rep.finish(fig, "prefetcher precision")
 
 
 if __name__ == "__main__":

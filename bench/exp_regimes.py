@@ -160,10 +160,7 @@ def main(argv=None):
         ax.set_xlabel("batch")
         ax.set_ylabel(f"unique experts per layer per step (of {tr.num_experts})")
     fig.suptitle("Regime sweep: hit rate vs batch size (red: 90%)", fontsize=10)
-    fig.tight_layout()
-    rep.figure(fig, ".png", "hit rate and unique experts vs batch")
-    rep.write()
-    return rep
+    return rep.finish(fig, "hit rate and unique experts vs batch")
 
 
 if __name__ == "__main__":
