@@ -54,10 +54,7 @@ def _run(store, *, bonus=0.0, schedule="fcfs", max_batch=4, max_active=None, n=1
         g = torch.Generator().manual_seed(1)
         ids = [eng.add_request(torch.randint(0, 512, (6,), generator=g).tolist(),
                                SamplingParams(max_tokens=tokens, ignore_eos=True)) for _ in range(n)]
-        batches = []
-        while eng.has_work():
-            eng.step()
-            batches.append([r.id for r in eng.running])
+        eng.run()
         return eng, [eng.done[i].output for i in ids], eng.summary(), eng.trace()
     finally:
         st.close()
