@@ -5,6 +5,7 @@ to strongly local (synthetic traces, K3 geometry); bytes moved and projected tok
 Usage: python bench/exp_k3.py [--quick] [--jobs 2] [--outdir bench/results]
 """
 import json
+import math
 import os
 import sys
 import time
@@ -20,12 +21,37 @@ LEVELS = {"uniform": dict(), "mild": dict(zipf_s=0.5, persistence=0.3, cross_lay
           "strong": dict(zipf_s=1.5, persistence=0.9, cross_layer=0.8)}
 
 
+def k3_mxfp4_blob(hidden: int, inter: int) -> int:
+    """Bytes of one K3-shaped MXFP4 expert as the store writes it: a one-expert store (random codes
+    and scales; the size does not depend on them), its manifest's blob size. Checked against
+    4.25 bits per parameter plus the manifest's 64-byte alignment of each part."""
+    import tempfile
+
+    import torch
+
+    from runtime.quant import blob_tensor_specs, expert_weight_specs, get_format
+    from runtime.store import Manifest, StoreWriter
+    weights = expert_weight_specs(hidden, inter, get_format("mxfp4"))
+    with tempfile.TemporaryDirectory(prefix="tiered-moe-k3-") as d:
+        w = StoreWriter(d, model="k3-expert", num_layers=1, num_experts=1, weights=weights)
+        g = torch.Generator().manual_seed(0)
+        w.write(0, 0, {s.name: {p.suffix: torch.randint(0, 255, p.shape, generator=g, dtype=torch.uint8)
+                                for p in s.fmt.parts(s.shape)} for s in weights})
+        w.close()
+        blob = Manifest.read(d).blob_bytes
+    want = sum(-(-math.prod(shape) * dt.itemsize // 64) * 64 for _, shape, dt in blob_tensor_specs(weights))
+    if blob != want or abs(blob * 8 / (3 * hidden * inter) - 4.25) > 0.01:
+        raise SystemExit(f"exp_k3: the store's K3 MXFP4 blob is {blob:,} bytes, expected {want:,} (4.25 bits/param + alignment)")
+    return blob
+
+
 def figures() -> dict:
     """Every number the simulation uses, with where it comes from."""
     anchors = json.load(open(os.path.join(ec.SHARED, "hardware", "h200-anchors.json")))
     L, E, k = GEOMETRIES["kimi-k3"]
     hidden, inter = cm.EXPERT_GEOMETRY["kimi-k3"]
     params = cm.expert_params(hidden, inter)
+    blob = k3_mxfp4_blob(hidden, inter)
     total_params = 2.8e12
     dense_params = total_params - L * E * params
     f = {
@@ -35,8 +61,9 @@ def figures() -> dict:
         "expert_shape": (f"latent {hidden}, intermediate {inter}, SwiGLU",
                          "h200-anchors.json expert_ffn_us.shape (K3-like latent expert); latent 3584 from the guide"),
         "expert_params": (params, "3 x 3584 x 3072"),
-        "expert_bytes_mxfp4": (anchors["expert_bytes"]["mxfp4_4.25_bits_per_param"],
-                               "h200-anchors.json expert_bytes.mxfp4_4.25_bits_per_param (4.25 bits per parameter)"),
+        "expert_bytes_mxfp4": (blob, f"a K3-shaped MXFP4 expert written by the store (runtime/quant.py mxfp4: "
+                                     f"{blob * 8 / params:.4f} bits/param incl. alignment; h200-anchors.json says "
+                                     f"{anchors['expert_bytes']['mxfp4_4.25_bits_per_param']:,} bytes)"),
         "total_params": (total_params, "developers' guide: 2.8T parameters"),
         "non_expert_params": (dense_params, "2.8T minus 93 x 896 routed experts (attention, shared experts, "
                                             "embeddings, latent projections)"),

@@ -45,13 +45,12 @@ def main():
     R["pinned_peak_GBps"] = round(peak, 1)
     del src, dst
     # 2. streaming experts (DeepSeek-V2-Lite-sized bf16 experts: 2048 x 1408 SwiGLU, ~17 MB)
-    from runtime.model.convert import expert_blob, expert_specs
+    from runtime.quant import expert_weight_specs, get_format
     work = tempfile.mkdtemp(prefix="tiered-moe-gpu-")
     L, E, H, I = 2, 32, 2048, 1408
     w = StoreWriter(work, model="gpu-check", num_layers=L, num_experts=E,
-                    specs=expert_specs(H, I, torch.bfloat16))
-    blob = expert_blob(torch.randn(I, H).to(torch.bfloat16), torch.randn(I, H).to(torch.bfloat16),
-                       torch.randn(H, I).to(torch.bfloat16))
+                    weights=expert_weight_specs(H, I, get_format("bf16")))
+    blob = {"gate_up": torch.randn(2 * I, H).to(torch.bfloat16), "down": torch.randn(H, I).to(torch.bfloat16)}
     for l in range(L):
         for e in range(E):
             w.write(l, e, blob)

@@ -252,11 +252,15 @@ def _budget(text, flag):
 
 def cmd_convert(a) -> int:
     from .model.convert import convert
-    convert(a.model, a.out, progress=sys.stderr.isatty())
+    rep = convert(a.model, a.out, progress=sys.stderr.isatty(), quantize=a.quantize)
     from .store import Manifest
     m = Manifest.read(a.out)
     print(f"wrote {a.out}: {m.num_layers} MoE layers x {m.num_experts} experts, {m.blob_bytes:,} bytes per expert "
-          f"({m.num_layers * m.num_experts * m.blob_stride / 2**20:.1f} MiB of expert files) + dense.safetensors")
+          f"({m.num_layers * m.num_experts * m.blob_stride / 2**20:.1f} MiB of expert files) + dense.safetensors; "
+          f"experts {rep.expert_format} ({rep.source})")
+    if rep.mean_rel_error is not None:
+        print(f"quantization error of expert outputs (||y_q - y|| / ||y||, 8 random inputs, sampled experts): "
+              f"mean {rep.mean_rel_error:.4f}, max {rep.max_rel_error:.4f}")
     return 0
 
 
@@ -438,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint into the tiered store layout")
     c.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
     c.add_argument("--out", required=True, help="store directory to write")
+    c.add_argument("--quantize", choices=["mxfp4", "int4", "fp8"], default=None,
+                   help="quantize the experts of a float checkpoint (shipped quantized checkpoints are read as they are)")
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a converted store")

@@ -18,13 +18,19 @@ from cache_policy.replay import ReplayConfig, replay_batch
 
 def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fraction: float, requests: int,
             prompt_len: int, max_tokens: int, profile: str, geometry: "str | None", seed: int,
-            cache_bonus: float = 0.0, schedule: str = "fcfs") -> dict:
+            cache_bonus: float = 0.0, schedule: str = "fcfs", dtype: "str | None" = None,
+            expert_budget_bytes: "int | None" = None) -> dict:
+    """``dtype``: the projection's expert dtype with ``geometry`` (default bf16; without a geometry the
+    store's own format and blob bytes);
+    ``expert_budget_bytes``: the device tier in bytes instead of ``device_fraction`` of the experts."""
+    from .quant import COST_DTYPE
     from .engine import Engine, SamplingParams
     from .model import load_model
     from .store import Manifest
     m = Manifest.read(store_dir)
     total = m.num_layers * m.num_experts
-    slots = max(1, int(round(device_fraction * total)))
+    slots = max(1, int(round(device_fraction * total))) if expert_budget_bytes is None else \
+        max(1, min(total, expert_budget_bytes // m.blob_stride))
     model, store = load_model(store_dir, expert_budget=slots * m.blob_stride, policy=policy, scope="global")
     try:
         eng = Engine(model, store, max_batch=batch, prefill_chunk=1, prefetch=prefetch, cache_bonus=cache_bonus,
@@ -47,7 +53,7 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     cfg = ReplayConfig(policy=policy, prefetch=prefetch if prefetch in ("freq", "transition") else "none",
                        scope="global", device_capacity=str(slots),
                        profile=profile, geometry=geometry, expert_bytes=None if geometry else m.blob_bytes,
-                       dtype="bf16" if geometry else "fp32")
+                       dtype=dtype or ("bf16" if geometry else COST_DTYPE.get(m.expert_format, "fp32")))
     r = replay_batch(tr, cfg, batch)
     need = sum(s["hits"].values())
     return {

@@ -21,9 +21,13 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     cfg = MoEConfig.from_hf(store_dir)
     m = Manifest.read(store_dir)
     H, I = cfg.expert_in, cfg.expert_intermediate
-    want = {"gate_up_t": (H, 2 * I), "down_t": (I, H)}
-    got = {t.name: tuple(t.shape) for t in m.tensors}
-    if (m.num_layers, m.num_experts) != (cfg.num_moe_layers, cfg.num_experts) or got != want:
+    want = {"gate_up": (2 * I, H), "gate": (I, H), "up": (I, H), "down": (H, I), "gate_up_bias": (2 * I,), "down_bias": (H,)}
+    got = {w.name: tuple(w.shape) for w in m.weights}
+    want = {k: v for k, v in want.items() if k in got}
+    if cfg.expert_bias != ("down_bias" in got):
+        raise ValueError(f"{store_dir}: the store's experts {'have' if 'down_bias' in got else 'lack'} biases, config.json "
+                         f"({cfg.model_type}) says the opposite: a store of another model; convert again")
+    if (m.num_layers, m.num_experts) != (cfg.num_moe_layers, cfg.num_experts) or got != want or "down" not in got:
         raise ValueError(f"{store_dir}: the store holds {m.num_layers} MoE layers x {m.num_experts} experts {got}, "
                          f"but config.json describes {cfg.num_moe_layers} x {cfg.num_experts} {want}: "
                          f"a store of another model; convert again")

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from cache_policy.jsonfile import read_json
 
-SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 
 
@@ -50,6 +50,15 @@ class MoEConfig:
     max_position_embeddings: int = 4096
     sliding_window: int = 0            # > 0: layers in sliding_layers attend to the last sliding_window tokens only
     sliding_layers: list = field(default_factory=list)
+    # gpt-oss: attention sinks (a learned per-head logit in every softmax), biases on q/k/v/o, a router
+    # bias, expert biases and the clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), clamped at limit)
+    attn_sinks: bool = False
+    o_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"           # silu (SwiGLU) | swiglu_clamp (gpt-oss)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     eos_token_ids: list = field(default_factory=list)
     bos_token_id: "int | None" = None
     source: str = "<memory>"
@@ -67,6 +76,8 @@ class MoEConfig:
             raise ValueError(f"{src}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if self.top_k > self.num_experts:
             raise ValueError(f"{src}: num_experts_per_tok {self.top_k} exceeds the {self.num_experts} experts")
+        if self.expert_act not in ("silu", "swiglu_clamp"):
+            raise ValueError(f"{src}: unknown expert activation {self.expert_act!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"{src}: unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
@@ -148,6 +159,8 @@ class MoEConfig:
                 sliding = [i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention"]
             elif mt == "qwen2_moe":
                 sliding = [i for i in range(L) if i % 2 == 0 and i < int(d.get("max_window_layers", 28))]
+            elif mt == "gpt_oss":   # transformers' default layer_types: sliding, full, sliding, ...
+                sliding = list(range(0, L, 2))
             else:
                 sliding = list(range(L))
             common.update(sliding_window=window, sliding_layers=sliding)
@@ -175,6 +188,14 @@ class MoEConfig:
                              q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
                              qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
                              v_head_dim=int(need("v_head_dim")), rope_interleave=bool(d.get("rope_interleave", True)))
+        if mt == "gpt_oss":
+            # Every layer is MoE; layer_types alternates sliding and full attention (handled above).
+            inter = int(need("intermediate_size"))
+            return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
+                             router="topk_softmax", router_bias=True, qkv_bias=bool(d.get("attention_bias", True)),
+                             o_bias=bool(d.get("attention_bias", True)), attn_sinks=True, expert_bias=True,
+                             expert_act="swiglu_clamp", swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                             swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
         if mt == "olmoe":
             if d.get("clip_qkv") is not None:
                 raise ValueError(f"{source}: clip_qkv is not supported yet")

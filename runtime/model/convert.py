@@ -3,19 +3,37 @@
 Reads ``config.json`` and ``*.safetensors`` (sharded with ``model.safetensors.index.json`` or a
 single file), tensor by tensor: an expert's three matrices are read, written as one blob, and
 dropped, so a model larger than RAM converts. Dense weights go to ``dense.safetensors``.
+
+Quantized checkpoints (``quantization_config`` in config.json) are read as shipped:
+- ``fp8`` (DeepSeek-V3 / V3.2, Qwen FP8): E4M3 weights with ``weight_scale_inv`` tiles
+  (``weight_block_size``, 128 x 128);
+- ``compressed-tensors`` ``pack-quantized`` (Kimi K2 / K2.5): symmetric int4 in int32 words,
+  ``weight_packed`` / ``weight_scale`` / ``weight_shape``, group strategy;
+- ``mxfp4`` (gpt-oss): fused per-layer ``*_blocks`` / ``*_scales``.
+Expert bytes go into the store as shipped (no dequantize/requantize round trip; gpt-oss's
+interleaved gate/up rows are only reordered). Non-expert weights (attention, shared experts,
+dense MLPs) are dequantized at conversion into the dtype of the checkpoint's embeddings (bf16 in
+the released checkpoints). ``quantize=`` turns a float checkpoint's experts into mxfp4, int4 or
+fp8 (rounding: ``runtime/quant.py``).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 
+from ..quant import QUANTIZE_CHOICES, ExpertCodec, WeightFormat, dense_format_of, expert_weight_specs, get_format
 from ..store.layout import StoreWriter
+from cache_policy.jsonfile import read_json
+
 from .config import MoEConfig
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
+QUANT_METHODS = ("fp8", "compressed-tensors (pack-quantized int4)", "mxfp4")
 
 
 def expert_names(cfg: MoEConfig, layer: int, e: int) -> dict:
@@ -24,6 +42,11 @@ def expert_names(cfg: MoEConfig, layer: int, e: int) -> dict:
         return {"gate": p + "w1.weight", "up": p + "w3.weight", "down": p + "w2.weight"}
     p = f"model.layers.{layer}.mlp.experts.{e}."
     return {"gate": p + "gate_proj.weight", "up": p + "up_proj.weight", "down": p + "down_proj.weight"}
+
+
+def router_name(cfg: MoEConfig, layer: int) -> str:
+    tail = {"mixtral": "block_sparse_moe.gate.weight", "gpt_oss": "mlp.router.weight"}.get(cfg.model_type, "mlp.gate.weight")
+    return f"model.layers.{layer}.{tail}"
 
 
 def dense_names(cfg: MoEConfig) -> dict:
@@ -55,12 +78,18 @@ def dense_names(cfg: MoEConfig) -> dict:
                         p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)})
         if cfg.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (H,)
+        if cfg.attn_sinks:
+            out[p + "self_attn.sinks"] = (cfg.num_heads,)
         if cfg.qk_norm == "head":
             out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         elif cfg.qk_norm == "full":
             out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
         if i in cfg.moe_layers:
-            out[p + ("block_sparse_moe.gate.weight" if cfg.model_type == "mixtral" else "mlp.gate.weight")] = (cfg.num_experts, H)
+            out[router_name(cfg, i)] = (cfg.num_experts, H)
+            if cfg.router_bias:
+                out[router_name(cfg, i).replace(".weight", ".bias")] = (cfg.num_experts,)
             if cfg.latent_dim:
                 out[p + "block_sparse_moe.latent_down.weight"] = (cfg.latent_dim, H)
                 out[p + "block_sparse_moe.latent_up.weight"] = (H, cfg.latent_dim)
@@ -125,6 +154,9 @@ class Checkpoint:
             h = self._headers[fname] = (meta, 8 + n, size)
         return h
 
+    def has(self, name: str) -> bool:
+        return name in self.where
+
     def get(self, name: str, shape=None) -> torch.Tensor:
         f = self.where.get(name)
         if f is None:
@@ -155,55 +187,240 @@ class Checkpoint:
         return t
 
 
-def expert_specs(H: int, I: int, dt) -> list:
-    """The tensors of one expert blob. Stored input-major (transposed from Hugging Face's
-    [out, in]): ``x @ w`` over an [in, out] matrix runs 20-30% faster on CPU than ``F.linear``
-    over [out, in] at decode's few tokens per expert (bench/results/decode_speed.md), and gate
-    and up side by side make one matmul."""
-    return [("gate_up_t", (H, 2 * I), dt), ("down_t", (I, H), dt)]
+class ShippedQuant:
+    """A checkpoint's ``quantization_config``: how its quantized tensors are laid out."""
+
+    def __init__(self, qc: "dict | None", source: str) -> None:
+        self.method, self.fmt = None, None
+        if not qc:
+            return
+        if not isinstance(qc, dict):
+            raise ValueError(f"{source}: quantization_config is not an object")
+        m = qc.get("quant_method")
+        self.method = m
+        if m == "fp8":
+            if qc.get("fmt", "e4m3") != "e4m3":
+                raise ValueError(f"{source}: fp8 format {qc.get('fmt')!r} is not supported (e4m3 is)")
+            block = qc.get("weight_block_size")
+            if block is None:
+                raise ValueError(f"{source}: fp8 quantization_config without weight_block_size (per-tensor fp8 is not supported)")
+            self.fmt = get_format("fp8_e4m3", block=tuple(block))
+        elif m == "compressed-tensors":
+            if qc.get("format") != "pack-quantized":
+                raise ValueError(f"{source}: compressed-tensors format {qc.get('format')!r} is not supported "
+                                 f"(pack-quantized int4 is)")
+            groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+            w = groups[0].get("weights") if len(groups) == 1 else None
+            if not w:
+                raise ValueError(f"{source}: compressed-tensors needs exactly one config group with weights, got {len(groups)}")
+            bad = {k: w.get(k) for k, want in (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"))
+                   if w.get(k) != want}
+            if bad:
+                raise ValueError(f"{source}: compressed-tensors weights {bad} are not supported "
+                                 f"(num_bits 4, type int, symmetric, group strategy are)")
+            self.group = int(w.get("group_size") or 0)
+            self.fmt = None   # the scale dtype comes from the tensors (INT4 below)
+        elif m == "mxfp4":
+            self.fmt = get_format("mxfp4")
+        else:
+            raise ValueError(f"{source}: quant_method {m!r} is not supported; supported: {', '.join(QUANT_METHODS)}")
+
+    def int4(self, scale_dtype: torch.dtype) -> WeightFormat:
+        name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}.get(scale_dtype)
+        if name is None:
+            raise ValueError(f"int4 weight_scale of dtype {scale_dtype} is not supported")
+        return get_format("int4", group=self.group, scale_dtype=name)
 
 
-def expert_blob(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict:
-    """Hugging Face expert weights (gate, up: [I, H]; down: [H, I]) as the blob's tensors."""
-    return {"gate_up_t": torch.cat([gate, up], 0).t(), "down_t": down.t()}   # [H, 2I], [I, H]
+def read_linear(ck: "Checkpoint", name: str, shape: tuple, sq: ShippedQuant):
+    """One Linear weight ``name`` ([out, in]) as shipped: a float tensor, or (format, parts)
+    for an fp8 (``name`` + ``name_scale_inv``) or int4 (``name_packed`` + ``name_scale``) one."""
+    packed = name + "_packed"
+    if ck.has(packed):
+        base = name[: -len("weight")]
+        scale = ck.get(base + "weight_scale")
+        fmt = sq.int4(scale.dtype) if sq.method == "compressed-tensors" else None
+        if fmt is None:
+            raise ValueError(f"{ck.dir}: tensor {packed!r} found but quantization_config is not compressed-tensors")
+        if ck.has(base + "weight_shape"):
+            ws = tuple(int(x) for x in ck.get(base + "weight_shape").tolist())
+            if ws != tuple(shape):
+                raise ValueError(f"{ck.dir}: tensor {base + 'weight_shape'!r} says {ws}, expected {tuple(shape)}")
+        parts = {"packed": ck.get(packed), "scale": scale}
+        fmt.check(name, shape, parts)
+        return fmt, parts
+    t = ck.get(name)
+    if t.dtype == torch.float8_e4m3fn:
+        if sq.method != "fp8":
+            raise ValueError(f"{ck.dir}: tensor {name!r} is float8_e4m3fn but quantization_config is {sq.method!r}")
+        parts = {"weight": t, "scale_inv": ck.get(name + "_scale_inv")}
+        sq.fmt.check(name, shape, parts)
+        return sq.fmt, parts
+    if tuple(t.shape) != tuple(shape):
+        ck.get(name, shape)   # raises, naming the file
+    return None, t
 
 
-def convert(model_dir: str, out_dir: str, progress: bool = False) -> str:
+def read_dense(ck: "Checkpoint", name: str, shape: tuple, sq: ShippedQuant, dtype: torch.dtype) -> torch.Tensor:
+    """A non-expert tensor, dequantized into ``dtype`` where it is shipped quantized."""
+    if len(shape) == 2 and (sq.method in ("fp8", "compressed-tensors")):
+        fmt, t = read_linear(ck, name, shape, sq)
+        if fmt is not None:
+            out = torch.empty(shape, dtype=torch.float32)
+            return fmt.dequantize(t, out).to(dtype)
+        return t.contiguous()
+    return ck.get(name, shape).contiguous()
+
+
+def _gpt_oss_layer(ck: "Checkpoint", cfg: MoEConfig, layer: int) -> dict:
+    """gpt-oss's fused per-layer expert tensors -> per expert logical weights. Its gate_up rows
+    (output features) interleave gate (even) and up (odd); they are reordered into gate then up
+    rows, which moves whole rows of MXFP4 bytes and changes none."""
+    p = f"model.layers.{layer}.mlp.experts."
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate
+    out = {"bias_gu": ck.get(p + "gate_up_proj_bias", (E, 2 * I)), "bias_dn": ck.get(p + "down_proj_bias", (E, H))}
+    if ck.has(p + "gate_up_proj_blocks"):
+        fmt = get_format("mxfp4")
+        for w, (O, In) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+            blocks, scales = ck.get(p + w + "_blocks"), ck.get(p + w + "_scales")
+            if tuple(scales.shape) != (E, O, In // 32) or blocks.numel() != E * O * In // 2 or blocks.dtype != torch.uint8:
+                raise ValueError(f"{ck.dir}: {p + w}_blocks {tuple(blocks.shape)} / _scales {tuple(scales.shape)} do not "
+                                 f"hold {E} experts of a {O}x{In} mxfp4 weight (blocks [E, {O}, {In // 32}, 16] uint8, "
+                                 f"scales [E, {O}, {In // 32}])")
+            out[w] = (fmt, blocks.reshape(E, O, In // 2), scales)
+    else:
+        out["gate_up_proj"] = (None, ck.get(p + "gate_up_proj", (E, H, 2 * I)))    # input-major
+        out["down_proj"] = (None, ck.get(p + "down_proj", (E, I, H)))
+    return out
+
+
+def _gpt_oss_expert(layer_t: dict, e: int) -> dict:
+    fmt, *gu = layer_t["gate_up_proj"]
+    _, *dn = layer_t["down_proj"]
+    bias = layer_t["bias_gu"][e]
+    b = {"gate_up_bias": torch.cat([bias[0::2], bias[1::2]]), "down_bias": layer_t["bias_dn"][e]}
+    if fmt is None:
+        w = gu[0][e].t()                                                 # [2I, H], rows interleaved
+        return {"gate": w[0::2], "up": w[1::2], "down": dn[0][e].t(), **b}
+    blocks, scales = gu
+    return {"gate": {"blocks": blocks[e, 0::2].contiguous(), "scales": scales[e, 0::2].contiguous()},
+            "up": {"blocks": blocks[e, 1::2].contiguous(), "scales": scales[e, 1::2].contiguous()},
+            "down": {"blocks": dn[0][e], "scales": dn[1][e]}, **b}
+
+
+def expert_error(weights: list, raw: dict, src: dict, dtype=torch.float32, n: int = 8, seed: int = 0) -> float:
+    """Relative error ||y_q - y|| / ||y|| of one expert's SwiGLU output on ``n`` random inputs,
+    the stored (quantized) weights against the float ones they were made from."""
+    codec = ExpertCodec(weights, torch.float32, "cpu")
+    deq = codec.dequantize_all(raw)
+    H = codec.shapes[0]
+    x = torch.randn(n, H, generator=torch.Generator().manual_seed(seed))
+
+    def run(g, u, d):
+        return (torch.nn.functional.silu(x @ g.float().t()) * (x @ u.float().t())) @ d.float().t()
+
+    I = codec.shapes[1]
+    gq, uq = (deq["gate"], deq["up"]) if "gate" in deq else (deq["gate_up"][:I], deq["gate_up"][I:])
+    y = run(src["gate"], src["up"], src["down"])
+    return float((run(gq, uq, deq["down"]) - y).norm() / y.norm().clamp_min(1e-30))
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert`` did: the experts' format and, with ``quantize``, its error."""
+    expert_format: str
+    source: str                    # "float", "shipped <method>", "quantized from <dtype>"
+    blob_bytes: int
+    mean_rel_error: "float | None" = None
+    max_rel_error: "float | None" = None
+
+
+def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str | None" = None) -> ConvertReport:
     from safetensors.torch import save_file
     cfg = MoEConfig.from_hf(model_dir)
+    raw_cfg = read_json(os.path.join(model_dir, "config.json"))
+    sq = ShippedQuant(raw_cfg.get("quantization_config"), os.path.join(model_dir, "config.json"))
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if quantize is not None and sq.method is not None:
+        raise ValueError(f"{model_dir}: the checkpoint is already quantized ({sq.method}); its experts are stored as shipped - "
+                         f"drop --quantize (re-quantizing quantized weights would only add error)")
     ck = Checkpoint(model_dir)
     H, I = cfg.expert_in, cfg.expert_intermediate
-    probe = ck.get(expert_names(cfg, cfg.moe_layers[0], 0)["gate"], (I, H))
-    dt = probe.dtype
-    if dt not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{model_dir}: expert weights are {dt} (a quantized checkpoint); only float32, bfloat16 and "
-                         f"float16 checkpoints are supported yet - dequantize first")
+    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    gpt_oss = cfg.model_type == "gpt_oss"
+    layer_cache: dict = {}
+
+    def logical(m: int, layer: int, e: int) -> dict:
+        """One expert's logical weights: float [out, in] tensors or {suffix: part} as shipped."""
+        if gpt_oss:
+            if layer not in layer_cache:
+                layer_cache.clear()
+                layer_cache[layer] = _gpt_oss_layer(ck, cfg, layer)
+            return _gpt_oss_expert(layer_cache[layer], e)
+        names = expert_names(cfg, layer, e)
+        out = {}
+        for k, n in names.items():
+            fmt, t = read_linear(ck, n, shapes[k], sq)
+            out[k] = t if fmt is None else (fmt, t)
+        return out
+
+    probe = logical(0, cfg.moe_layers[0], 0)
+    shipped = isinstance(probe["gate"], tuple) or isinstance(probe["gate"], dict)
+    bias_dtype = probe["down_bias"].dtype if "down_bias" in probe else None
+    if shipped:
+        fmt = probe["gate"][0] if isinstance(probe["gate"], tuple) else get_format("mxfp4")
+        source = f"shipped {sq.method}"
+    else:
+        dt = probe["gate"].dtype
+        if dt not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{model_dir}: expert weights are {dt} without a quantization_config this tiered-moe reads; "
+                             f"supported quant_method: {', '.join(QUANT_METHODS)}")
+        fmt = get_format(QUANTIZE_CHOICES[quantize]) if quantize else dense_format_of(dt)
+        source = f"quantized from {dense_format_of(dt).name}" if quantize else "float"
+    weights = expert_weight_specs(H, I, fmt, bias_dtype)
     writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
-                         num_experts=cfg.num_experts, specs=expert_specs(H, I, dt),
-                         layer_numbers=cfg.moe_layers, extra={"model_type": cfg.model_type})
+                         num_experts=cfg.num_experts, weights=weights, layer_numbers=cfg.moe_layers,
+                         extra={"model_type": cfg.model_type, "expert_source": source})
     total = cfg.num_moe_layers * cfg.num_experts
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=total, desc="converting experts", unit="expert")
-    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    errors = []
     for m, layer in enumerate(cfg.moe_layers):
         for e in range(cfg.num_experts):
-            names = expert_names(cfg, layer, e)
-            w = {k: ck.get(n, shapes[k]) for k, n in names.items()}
-            writer.write(m, e, expert_blob(w["gate"], w["up"], w["down"]))
+            w = logical(m, layer, e)
+            for k in ("gate", "up", "down"):
+                v = w[k]
+                if isinstance(v, tuple):
+                    if v[0].name != fmt.name or v[0].params() != fmt.params():
+                        raise ValueError(f"{model_dir}: layer {layer} expert {e} {k} is {v[0].name} {v[0].params()}, "
+                                         f"the first expert's is {fmt.name} {fmt.params()}: mixed expert formats")
+                    w[k] = v[1]
+            if not fmt.quantized:
+                w["gate_up"] = torch.cat([w.pop("gate"), w.pop("up")], 0)
+            elif not shipped:
+                src = {k: w[k] for k in ("gate", "up", "down")}
+                w.update({k: fmt.quantize(v) for k, v in src.items()})
+            writer.write(m, e, w)
+            if quantize and (e < 4 or e % 16 == 0):   # a sample of experts per layer
+                raw = {f"{k}.{s}": t for k in ("gate", "up", "down") for s, t in w[k].items()}
+                errors.append(expert_error(weights, raw, src))
             if bar:
                 bar.update()
     if bar:
         bar.close()
-    writer.close()
-    dense = {n: ck.get(n, s).contiguous() for n, s in dense_names(cfg).items()}
+    man = writer.close()
+    embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    dense = {n: read_dense(ck, n, s, sq, embed.dtype) for n, s in dense_names(cfg).items()}
     save_file(dense, os.path.join(out_dir, "dense.safetensors"))
     shutil.copy(os.path.join(model_dir, "config.json"), os.path.join(out_dir, "config.json"))
     for f in TOKENIZER_FILES:
         if os.path.exists(os.path.join(model_dir, f)):
             shutil.copy(os.path.join(model_dir, f), os.path.join(out_dir, f))
-    return out_dir
+    return ConvertReport(fmt.name, source, man.blob_bytes, float(sum(errors) / len(errors)) if errors else None,
+                         max(errors) if errors else None)
 
 
 def load_dense(store_dir: str, cfg: MoEConfig) -> dict:

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..quant import ExpertCodec
 from .config import MoEConfig
+from .convert import router_name
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -176,6 +178,9 @@ class MoEModel:
         self.step = 0                     # placement time; the engine advances it once per step
         self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
         self.prefetch_hook = None         # callable(moe_idx, ids, hidden) after each MoE layer
+        # Float operands of an expert from its blob: views for float stores, dequantized into one
+        # reused scratch for quantized ones (runtime/quant.py).
+        self.codec = ExpertCodec(experts.m.weights, dtype, device)
         w = self.w
         self.qkv_w, self.qkv_b = [], []
         if cfg.attention == "mla":
@@ -199,7 +204,7 @@ class MoEModel:
         return f"model.layers.{i}.{name}"
 
     def _router_name(self, i: int) -> str:
-        return self._p(i, "block_sparse_moe.gate.weight" if self.cfg.model_type == "mixtral" else "mlp.gate.weight")
+        return router_name(self.cfg, i)
 
     # -- blocks --------------------------------------------------------------------------------
     def _rope(self, pos: torch.Tensor):
@@ -275,6 +280,25 @@ class MoEModel:
         out = torch.einsum("bhl,hvl->bhv", ctx, wkv[:, nope:])                        # [B, heads, v]
         return F.linear(out.reshape(B, nh * vd), self.w[self._p(i, "self_attn.o_proj.weight")])
 
+    def _o_proj(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        return F.linear(out, self.w[self._p(i, "self_attn.o_proj.weight")], self.w.get(self._p(i, "self_attn.o_proj.bias")))
+
+    def _sdpa(self, i: int, q, k, v, mask) -> torch.Tensor:
+        """q: [B, heads, Tq, hd]; k, v: [B, kv_heads, n, hd]; mask: bool, broadcast to [B, heads, Tq, n].
+        With attention sinks (gpt-oss) each head's softmax also takes a learned logit that has no
+        value: softmax over [scores, sink], the sink's share dropped."""
+        if not self.cfg.attn_sinks:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        B, nh, Tq, hd = q.shape
+        nkv, n = k.shape[1], k.shape[2]
+        g = nh // nkv
+        # Heads grouped by the kv head they share: no repeat of k and v.
+        s = (q.reshape(B, nkv, g * Tq, hd) @ k.transpose(-1, -2)).view(B, nh, Tq, n) * hd ** -0.5
+        s = s.float().masked_fill(~mask, float("-inf"))
+        sink = self.w[self._p(i, "self_attn.sinks")].float().view(1, nh, 1, 1).expand(B, nh, Tq, 1)
+        p = torch.cat([s, sink], -1).softmax(-1)[..., :n].to(q.dtype)      # p: [B, heads, Tq, n]
+        return (p.reshape(B, nkv, g * Tq, n) @ v).view(B, nh, Tq, hd)
+
     def _attention(self, i: int, x: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
         """x: [tokens, hidden], tokens of several sequences back to back (spans: (start, end))."""
         cfg, w = self.cfg, self.w
@@ -309,9 +333,8 @@ class MoEModel:
             mask = keys <= pos[:, None]                                  # mask: [B, n]
             if i in self.sliding:
                 mask &= keys > pos[:, None] - cfg.sliding_window
-            out = F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask[:, None, None, :],
-                                                 enable_gqa=True).reshape(B, nh * hd)
-            return F.linear(out, w[self._p(i, "self_attn.o_proj.weight")])
+            out = self._sdpa(i, q[:, :, None], kk, vv, mask[:, None, None, :]).reshape(B, nh * hd)
+            return self._o_proj(i, out)
         out = torch.empty_like(q)
         for s, (a, b) in zip(seqs, spans):
             p0, n_new = s.length, b - a
@@ -326,10 +349,9 @@ class MoEModel:
             causal = torch.arange(ctx, device=x.device)[None, :] <= qpos
             if i in self.sliding:
                 causal &= torch.arange(ctx, device=x.device)[None, :] > qpos - cfg.sliding_window
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kk[None], vv[None], attn_mask=causal,
-                                               enable_gqa=True)                 # o: [1, heads, new, hd]
+            o = self._sdpa(i, qs.transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)
-        return F.linear(out.reshape(-1, nh * hd), w[self._p(i, "self_attn.o_proj.weight")])
+        return self._o_proj(i, out.reshape(-1, nh * hd))
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -339,7 +361,8 @@ class MoEModel:
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         m = self.moe_index[i]
-        logits = F.linear(x, self.w[self._router_name(i)])              # logits: [tokens, E]
+        rn = self._router_name(i)
+        logits = F.linear(x, self.w[rn], self.w.get(rn[:-len("weight")] + "bias"))   # logits: [tokens, E]
         bonus = None
         if self.cache_bonus:
             # Cache-aware routing: resident experts look better by cache_bonus (off by default:
@@ -367,13 +390,25 @@ class MoEModel:
         I = cfg.expert_intermediate
         ys = torch.empty_like(xs)
         # Resident experts first while misses stream in; in waves when they do not all fit.
+        codec, clamp = self.codec, cfg.expert_act == "swiglu_clamp"
+        if xs.dtype != codec.compute_dtype:   # e.g. bf16 model, float32 expert matmuls on a CPU
+            xs = xs.to(codec.compute_dtype)
         for wave in fetch.waves():
             for e in wave:
-                t = fetch.tensors(e)
+                t = codec.weights(fetch.tensors(e))    # float operands (dequantized if the store is quantized)
                 a, b = off[e], off[e + 1]
-                h = torch.mm(xs[a:b], t["gate_up_t"])                      # h: [n, 2I] = gate | up
-                h = F.silu(h[:, :I]) * h[:, I:]
-                ys[a:b] = torch.mm(h, t["down_t"])                         # [n, hidden or latent]
+                h = torch.mm(xs[a:b], t.gate_up_t)                         # h: [n, 2I] = gate | up
+                if t.gate_up_bias is not None:
+                    h += t.gate_up_bias
+                if clamp:   # gpt-oss: clamped SwiGLU with (up + 1)
+                    g = h[:, :I].clamp(max=cfg.swiglu_limit)
+                    h = (h[:, I:].clamp(-cfg.swiglu_limit, cfg.swiglu_limit) + 1) * (g * torch.sigmoid(g * cfg.swiglu_alpha))
+                else:
+                    h = F.silu(h[:, :I]) * h[:, I:]
+                if t.down_bias is None:
+                    ys[a:b] = torch.mm(h, t.down_t)                        # [n, hidden or latent]
+                else:
+                    ys[a:b] = torch.addmm(t.down_bias, h, t.down_t)
         # Back to (token, slot) order, then sum each token's k expert outputs (cheaper than index_add_ on CPU).
         y = torch.empty_like(ys)
         y[order] = ys * wts.reshape(-1)[order, None]

@@ -17,6 +17,8 @@ class ChatFormatter:
     def __init__(self, model_dir: str) -> None:
         self.template = None
         self.bos = self.eos = ""
+        self.template_source = None
+        t = None
         path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(path):
             try:
@@ -32,18 +34,29 @@ class ChatFormatter:
             self.bos = _token_text(tc.get("bos_token"))
             self.eos = _token_text(tc.get("eos_token"))
             if t:
-                from jinja2 import TemplateError
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                env.globals["raise_exception"] = _raise
-                try:
-                    self.template = env.from_string(t)
-                except TemplateError as e:
-                    raise ValueError(f"{path}: chat_template does not compile ({e})") from None
+                self.template_source = "tokenizer_config.json chat_template"
+        jpath = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.exists(jpath):   # newer checkpoints (gpt-oss) ship it as its own file; it takes precedence
+            try:
+                with open(jpath, encoding="utf-8") as f:
+                    t = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"{jpath}: not readable ({e})") from None
+            path, self.template_source = jpath, "chat_template.jinja"
+        if t:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now   # as transformers provides it (gpt-oss's template uses it)
+            try:
+                self.template = env.from_string(t)
+            except TemplateError as e:
+                raise ValueError(f"{path}: chat_template does not compile ({e})") from None
 
     @property
     def source(self) -> str:
-        return "tokenizer_config.json chat_template" if self.template is not None else FALLBACK
+        return self.template_source if self.template is not None else FALLBACK
 
     def render(self, messages: list) -> str:
         if self.template is None:
@@ -60,6 +73,11 @@ def _token_text(t) -> str:
     if isinstance(t, dict):
         return t.get("content", "") or ""
     return t or ""
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _raise(msg):

@@ -10,18 +10,21 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from cache_policy.jsonfile import read_json
 
+from ..quant import WeightSpec, blob_tensor_specs, encode_expert
+
 FORMAT = "tiered-moe-store"
-VERSION = 2   # 2: expert tensors stored input-major (gate_up_t, down_t)
+VERSION = 3   # 2: expert tensors stored input-major; 3: logical weights with a format each (runtime/quant.py)
 ALIGN = 4096
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None), "uint8": torch.uint8, "int8": torch.int8}
+           "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None), "uint8": torch.uint8, "int8": torch.int8,
+           "int32": torch.int32}
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -59,6 +62,17 @@ class Manifest:
     checksums: list        # [layer][expert] crc32 of the blob's bytes
     layer_numbers: list    # model layer index of each MoE layer
     extra: dict
+    weights: list = field(default_factory=list)   # [WeightSpec]: the logical weights the tensors encode
+
+    @property
+    def formats(self) -> dict:
+        """Logical weight name -> format name (e.g. {"gate": "mxfp4", ...})."""
+        return {w.name: w.format for w in self.weights}
+
+    @property
+    def expert_format(self) -> str:
+        """The format of the expert matrices (the down projection's), e.g. "bf16" or "mxfp4"."""
+        return next((w.format for w in self.weights if w.name == "down"), "?")
 
     @staticmethod
     def layout(specs: "list[tuple[str, tuple, torch.dtype]]") -> "tuple[list, int]":
@@ -78,6 +92,7 @@ class Manifest:
                 "num_experts": self.num_experts, "blob_bytes": self.blob_bytes, "blob_stride": self.blob_stride,
                 "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "offset": t.offset}
                             for t in self.tensors],
+                "weights": [w.to_json() for w in self.weights],
                 "layer_numbers": self.layer_numbers, "checksums": self.checksums, "extra": self.extra}
 
     @staticmethod
@@ -103,7 +118,7 @@ class Manifest:
         if d.get("version") != VERSION:
             raise ValueError(f"{path}: store version {d.get('version')!r}, this tiered-moe reads version {VERSION}; "
                              f"convert the model again")
-        need = ("model", "num_layers", "num_experts", "blob_bytes", "blob_stride", "tensors", "checksums")
+        need = ("model", "num_layers", "num_experts", "blob_bytes", "blob_stride", "tensors", "checksums", "weights")
         missing = [k for k in need if k not in d]
         if missing:
             raise ValueError(f"{path}: manifest lacks {', '.join(missing)}")
@@ -111,6 +126,18 @@ class Manifest:
                      tensors=[TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], int(t["offset"])) for t in d["tensors"]],
                      blob_bytes=int(d["blob_bytes"]), blob_stride=int(d["blob_stride"]), checksums=d["checksums"],
                      layer_numbers=d.get("layer_numbers", list(range(int(d["num_layers"])))), extra=d.get("extra", {}))
+        try:
+            m.weights = [WeightSpec.from_json(w) for w in d["weights"]]
+            want = {n: (tuple(s), dtype_name(dt)) for n, s, dt in blob_tensor_specs(m.weights)}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: manifest weights are not readable ({e})") from None
+        got = {t.name: (t.shape, t.dtype) for t in m.tensors}
+        if got != want:
+            raise ValueError(f"{path}: the blob's tensors {got} do not encode its weights (expected {want})")
+        end = max((t.offset + t.nbytes for t in m.tensors), default=0)
+        if end > m.blob_bytes or m.blob_bytes > m.blob_stride:
+            raise ValueError(f"{path}: a tensor ends at byte {end} of a {m.blob_bytes}-byte blob (stride {m.blob_stride}): "
+                             f"offsets outside the blob")
         if len(m.checksums) != m.num_layers or any(len(c) != m.num_experts for c in m.checksums):
             raise ValueError(f"{path}: checksums do not cover {m.num_layers} layers x {m.num_experts} experts")
         for layer in range(m.num_layers):
@@ -128,18 +155,24 @@ class StoreWriter:
     """Writes a store expert by expert, never holding more than one blob in memory."""
 
     def __init__(self, store_dir: str, *, model: str, num_layers: int, num_experts: int,
-                 specs: "list[tuple[str, tuple, torch.dtype]]", layer_numbers=None, extra=None) -> None:
+                 weights: list, layer_numbers=None, extra=None) -> None:
         os.makedirs(store_dir, exist_ok=True)
-        tensors, blob = Manifest.layout(specs)
+        tensors, blob = Manifest.layout(blob_tensor_specs(weights))
         self.dir = store_dir
         self.m = Manifest(model=model, num_layers=num_layers, num_experts=num_experts, tensors=tensors,
                           blob_bytes=blob, blob_stride=_align(blob), checksums=[[None] * num_experts for _ in range(num_layers)],
                           layer_numbers=list(layer_numbers if layer_numbers is not None else range(num_layers)),
-                          extra=extra or {})
+                          extra=extra or {}, weights=list(weights))
         self._files = {}
 
-    def write(self, layer: int, expert: int, tensors: "dict[str, torch.Tensor]") -> None:
+    def write(self, layer: int, expert: int, weights: dict) -> None:
+        """weights: logical weight name -> float tensor ([out, in], quantized here to its format) or
+        {part suffix: tensor} already in its format (bytes as shipped)."""
         m = self.m
+        try:
+            tensors = encode_expert(m.weights, weights)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"layer {layer} expert {expert}: {e}") from None
         buf = bytearray(m.blob_stride)
         for ts in m.tensors:
             if ts.name not in tensors:

@@ -38,6 +38,11 @@ ARCHS = {
     "qwen3_moe_yarn": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, head_dim=16,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16})),
+    # Attention sinks, alternating sliding / full layers, biases everywhere, router bias, clamped SwiGLU, YaRN.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, head_dim=16, sliding_window=6, intermediate_size=32,
+        swiglu_limit=2.0, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "original_max_position_embeddings": 16, "truncate": False})),
 }
 
 
@@ -49,6 +54,8 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
     args = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256)
     c = C(**{**args, **kw})
+    if name.startswith("gpt_oss"):
+        c._attn_implementation = "eager"   # transformers' sink-aware attention on CPU
     m = M(c).eval()
     # Random init is tiny; scale the weights so routing and logits are far from ties.
     with torch.no_grad():

@@ -16,7 +16,7 @@ def test_latent_moe_matches_the_formula_and_offloading_changes_nothing(tmp_path)
     build_checkpoint(str(tmp_path / "hf"), spec)
     convert(str(tmp_path / "hf"), str(tmp_path / "s"))
     m = Manifest.read(str(tmp_path / "s"))
-    assert {t.name: t.shape for t in m.tensors} == {"gate_up_t": (16, 80), "down_t": (40, 16)}
+    assert {t.name: t.shape for t in m.tensors} == {"gate_up.t": (16, 80), "down.t": (40, 16)}
     model, store = load_model(str(tmp_path / "s"))
     try:
         # One MoE block by hand, from the HF-layout weights.

@@ -8,6 +8,7 @@ import torch
 
 from cache_policy.replay import ReplayConfig, replay_batch
 from cache_policy.traces import Trace
+from runtime.quant import WeightSpec
 from runtime.store import ChecksumError, ExpertStore, Manifest, StoreWriter
 
 L, E, H, I = 3, 8, 16, 24
@@ -23,12 +24,17 @@ def expert_tensors(layer, expert):
 def store_dir(tmp_path):
     d = str(tmp_path / "store")
     w = StoreWriter(d, model="tiny", num_layers=L, num_experts=E,
-                    specs=[("gate", (I, H), torch.float32), ("up", (I, H), torch.float32), ("down", (H, I), torch.bfloat16)])
+                    weights=[WeightSpec("gate", (I, H), "fp32"), WeightSpec("up", (I, H), "fp32"), WeightSpec("down", (H, I), "bf16")])
     for l in range(L):
         for e in range(E):
             w.write(l, e, expert_tensors(l, e))
     w.close()
     return d
+
+
+def logical(views):
+    """The blob's float parts (stored input-major, ``name.t``) back in [out, in] orientation."""
+    return {k[:-2]: v.t() for k, v in views.items()}
 
 
 def stride(d):
@@ -44,7 +50,8 @@ def requests(seed, steps=40):
 def test_layout_is_aligned_and_checksummed(store_dir):
     m = Manifest.read(store_dir)
     assert m.blob_stride % 4096 == 0 and m.blob_bytes <= m.blob_stride
-    assert [t.name for t in m.tensors] == ["gate", "up", "down"]
+    assert [t.name for t in m.tensors] == ["gate.t", "up.t", "down.t"]
+    assert m.formats == {"gate": "fp32", "up": "fp32", "down": "bf16"}
     assert os.path.getsize(os.path.join(store_dir, "layer-000.bin")) == E * m.blob_stride
 
 
@@ -62,7 +69,7 @@ def test_bytes_are_exact_and_hits_match_replay(store_dir, host_slots, scope, dev
             for layer, experts in enumerate(step):
                 f = st.request(layer, experts, t)
                 for e in f.ready + list(f.pending):
-                    got = f.tensors(e)
+                    got = logical(f.tensors(e))
                     want = expert_tensors(layer, e)
                     for name in want:
                         assert torch.equal(got[name], want[name]), (t, layer, e, name)
@@ -93,7 +100,7 @@ def test_prefetch_makes_hits_and_never_evicts_the_current_layer(store_dir):
         f = st.request(1, [5, 6], 0)
         f.wait()
         assert st.stats.hits["device"] == 2
-        assert torch.equal(f.tensors(5)["gate"], expert_tensors(1, 5)["gate"])
+        assert torch.equal(logical(f.tensors(5))["gate"], expert_tensors(1, 5)["gate"])
 
 
 def test_corrupt_blob_names_layer_and_expert(store_dir):
@@ -159,7 +166,7 @@ def test_waves_when_a_layer_needs_more_than_the_device_tier(store_dir):
         for wave in f.waves():
             assert len(wave) <= 3
             for e in wave:
-                assert torch.equal(f.tensors(e)["up"], expert_tensors(0, e)["up"])
+                assert torch.equal(logical(f.tensors(e))["up"], expert_tensors(0, e)["up"])
                 seen.append(e)
             assert st.resident_bytes()["device"] <= 3 * s
         assert sorted(seen) == [0, 2, 3, 4, 5, 6, 7]
@@ -167,10 +174,10 @@ def test_waves_when_a_layer_needs_more_than_the_device_tier(store_dir):
 
 
 def test_writer_refuses_wrong_tensors(tmp_path):
-    w = StoreWriter(str(tmp_path / "s"), model="m", num_layers=1, num_experts=2, specs=[("w", (2, 2), torch.float32)])
-    with pytest.raises(ValueError, match=r"layer 0 expert 1: tensor 'w' is \(3, 2\)"):
+    w = StoreWriter(str(tmp_path / "s"), model="m", num_layers=1, num_experts=2, weights=[WeightSpec("w", (2, 2), "fp32")])
+    with pytest.raises(ValueError, match=r"layer 0 expert 1: w: fp32 part 't' is \(2, 3\) torch.float32, expected \(2, 2\)"):
         w.write(0, 1, {"w": torch.zeros(3, 2)})
-    with pytest.raises(ValueError, match="tensor 'w' missing"):
+    with pytest.raises(ValueError, match="layer 0 expert 0: weight 'w' is missing"):
         w.write(0, 0, {"v": torch.zeros(2, 2)})
     w.write(0, 0, {"w": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match="never written"):

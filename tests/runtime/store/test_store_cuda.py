@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from runtime.quant import WeightSpec
 from runtime.store import ExpertStore, Manifest, StoreWriter
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -9,7 +10,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 def test_cuda_store_is_pinned_and_exact(tmp_path):
     d = str(tmp_path / "s")
-    w = StoreWriter(d, model="m", num_layers=2, num_experts=8, specs=[("w", (256, 256), torch.bfloat16)])
+    w = StoreWriter(d, model="m", num_layers=2, num_experts=8, weights=[WeightSpec("w", (256, 256), "bf16")])
     want = {}
     for l in range(2):
         for e in range(8):
@@ -24,4 +25,4 @@ def test_cuda_store_is_pinned_and_exact(tmp_path):
                 f = st.request(l, [t % 8, (t + 3) % 8], t)
                 for wave in f.waves():
                     for e in wave:
-                        assert torch.equal(f.tensors(e)["w"].cpu(), want[(l, e)])
+                        assert torch.equal(f.tensors(e)["w.t"].t().cpu(), want[(l, e)])
