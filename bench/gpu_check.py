@@ -6,11 +6,19 @@
 3. Decode step time of the engine with lookahead prefetch vs max(compute time, transfer time):
    compute from an all-resident run, transfer from the bytes moved at the GB/s of (2);
    goal <= 1.15x.
-4. The cuda-marked tests.
-Writes $OUT/gpu_check.json (or bench/results/gpu_check.json) and prints a table.
+4. Quantized experts (issue 9): dequantize + one-token matmul of a K3-shaped MXFP4 expert
+   (3584 x 3072 SwiGLU) with ``ExpertCodec`` against the transfer time it saves over bf16 at the
+   GB/s of (2); goal: dequant <= 0.5x the saving. Also the same for INT4 and FP8.
+5. The cuda-marked tests.
+Writes $OUT/gpu_check.json (or bench/results/gpu_check.json) and prints it.
 
-Usage: python bench/gpu_check.py [--quick]
+``--dry-run`` runs every step on the CPU at toy sizes (no pinned memory, wall-clock timing, no
+pytest step), so the script's code paths are exercised where no GPU is lent: CI runs it
+(tests/bench/test_gpu_check.py). Its numbers mean nothing.
+
+Usage: python bench/gpu_check.py [--dry-run]
 """
+import argparse
 import json
 import os
 import subprocess
@@ -25,46 +33,76 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 
+class Clock:
+    """CUDA events on a GPU, perf_counter (after a sync) elsewhere."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn, reps: int) -> float:
+        """Median seconds of ``fn()``."""
+        ts = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2]
+
+
 def main():
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA device here; run it on the lent GPU machine")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check the code paths, not the machine")
+    a = ap.parse_args()
+    dry = a.dry_run
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device here; run it on the lent GPU machine (or --dry-run)")
+    dev = "cpu" if dry else "cuda"
+    clock = Clock(not dry)
     from runtime.store import ExpertStore, Manifest, StoreWriter
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
-    R = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    R = {"gpu": "dry run (cpu)" if dry else torch.cuda.get_device_name(0), "torch": torch.__version__}
     MiB = 2 ** 20
     # 1. pinned peak
-    n = 512 * MiB
-    src = torch.empty(n, dtype=torch.uint8, pin_memory=True).random_(0, 255)
-    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-    ts = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); dst.copy_(src, non_blocking=True); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    peak = n / sorted(ts)[len(ts) // 2] / 1e9
+    n = (8 if dry else 512) * MiB
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=not dry).random_(0, 255)
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    peak = n / clock.time(lambda: dst.copy_(src, non_blocking=True), 6) / 1e9
     R["pinned_peak_GBps"] = round(peak, 1)
     del src, dst
     # 2. streaming experts (DeepSeek-V2-Lite-sized bf16 experts: 2048 x 1408 SwiGLU, ~17 MB)
     from runtime.quant import expert_weight_specs, get_format
     work = tempfile.mkdtemp(prefix="tiered-moe-gpu-")
-    L, E, H, I = 2, 32, 2048, 1408
-    w = StoreWriter(work, model="gpu-check", num_layers=L, num_experts=E,
+    L, E, H, I = (2, 8, 256, 128) if dry else (2, 32, 2048, 1408)
+    sdir = os.path.join(work, "stream")
+    w = StoreWriter(sdir, model="gpu-check", num_layers=L, num_experts=E,
                     weights=expert_weight_specs(H, I, get_format("bf16")))
     blob = {"gate_up": torch.randn(2 * I, H).to(torch.bfloat16), "down": torch.randn(H, I).to(torch.bfloat16)}
     for l in range(L):
         for e in range(E):
             w.write(l, e, blob)
     w.close()
-    m = Manifest.read(work)
-    with ExpertStore(work, device_budget=8 * m.blob_stride, device="cuda", threads=4) as st:
-        torch.cuda.synchronize()
+    m = Manifest.read(sdir)
+    with ExpertStore(sdir, device_budget=8 * m.blob_stride, device=dev, threads=4) as st:
+        clock.sync()
         t0 = time.perf_counter()
         moved0 = st.stats.bytes["host_to_device"]
         for rep in range(3):
             for l in range(L):
                 for e0 in range(0, E, 4):
                     st.request(l, list(range(e0, e0 + 4)), rep * 100 + l * 10 + e0).wait()
-        torch.cuda.synchronize()
+        clock.sync()
         dt = time.perf_counter() - t0
         gbps = (st.stats.bytes["host_to_device"] - moved0) / dt / 1e9
     R["store_stream_GBps"] = round(gbps, 1)
@@ -76,7 +114,8 @@ def main():
     from runtime.model.convert import convert
     from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
     # 4 layers x 16 experts of 12.6 MB (fp32): ~0.8 GB to write, small enough for a short device session.
-    spec = SyntheticModelSpec(hidden_size=1024, intermediate_size=1024, num_layers=4, num_experts=16)
+    spec = (SyntheticModelSpec(hidden_size=64, intermediate_size=64, num_layers=2, num_experts=8, vocab_size=256) if dry
+            else SyntheticModelSpec(hidden_size=1024, intermediate_size=1024, num_layers=4, num_experts=16))
     hf, store = os.path.join(work, "hf"), os.path.join(work, "store")
     build_checkpoint(hf, spec)
     convert(hf, store)
@@ -84,10 +123,10 @@ def main():
 
     def run(frac, prefetch):
         model, st = load_model(store, expert_budget=max(2, int(frac * m.num_layers * m.num_experts)) * m.blob_stride,
-                               device="cuda")
+                               device=dev)
         try:
             eng = Engine(model, st, max_batch=1, prefill_chunk=8, prefetch=prefetch)
-            eng.add_request(list(range(8)), SamplingParams(max_tokens=48, ignore_eos=True))
+            eng.add_request(list(range(8)), SamplingParams(max_tokens=16 if dry else 48, ignore_eos=True))
             eng.run()
             dec = [s for s in eng.steps if s.tokens == 1][4:]
             return (sum(s.seconds for s in dec) / len(dec), sum(s.bytes["host_to_device"] for s in dec) / len(dec))
@@ -98,11 +137,40 @@ def main():
     transfer = moved / (gbps * 1e9)
     R["decode"] = {"compute_ms": compute * 1e3, "transfer_ms": transfer * 1e3, "step_ms_with_prefetch": step * 1e3,
                    "ratio_to_max": step / max(compute, transfer), "goal_met": step <= 1.15 * max(compute, transfer)}
-    # 4. cuda tests
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], cwd=ROOT, capture_output=True, text=True)
-    R["cuda_tests"] = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:]
+    # 4. quantized experts: dequantize + matmul vs the transfer saved
+    from runtime.quant import ExpertCodec
+    Hq, Iq = (256, 128) if dry else (3584, 3072)
+    bf16_bytes = 3 * Hq * Iq * 2
+    R["quantized"] = {"expert_shape": f"{Hq} x {Iq} SwiGLU"}
+    for name in ("mxfp4", "int4", "fp8"):
+        fmt = get_format({"fp8": "fp8_e4m3"}.get(name, name))
+        specs = expert_weight_specs(Hq, Iq, fmt)
+        g = torch.Generator().manual_seed(0)
+        views = {f"{s.name}.{k}": v.to(dev) for s in specs
+                 for k, v in fmt.quantize(torch.randn(s.shape, generator=g) * 0.02).items()}
+        qbytes = sum(v.numel() * v.element_size() for v in views.values())
+        codec = ExpertCodec(specs, torch.bfloat16, dev)
+        x = torch.randn(1, Hq, dtype=codec.compute_dtype, device=dev)
+
+        def expert():
+            t = codec.weights(views)
+            h = x @ t.gate_up_t
+            return (torch.nn.functional.silu(h[:, :Iq]) * h[:, Iq:]) @ t.down_t
+        deq = clock.time(lambda: codec.weights(views), 10)
+        full = clock.time(expert, 10)
+        saved = (bf16_bytes - qbytes) / (gbps * 1e9)
+        R["quantized"][name] = {"bytes": qbytes, "dequant_us": deq * 1e6, "dequant_plus_matmul_us": full * 1e6,
+                                "transfer_saved_us": saved * 1e6, "dequant_vs_saved": deq / saved,
+                                "goal_met": deq <= 0.5 * saved}
+    # 5. cuda tests
+    if dry:
+        R["cuda_tests"] = "skipped (dry run)"
+    else:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], cwd=ROOT, capture_output=True,
+                           text=True)
+        R["cuda_tests"] = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:]
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+    with open(os.path.join(out_dir, "gpu_check_dry_run.json" if dry else "gpu_check.json"), "w") as f:
         json.dump(R, f, indent=1)
     print(json.dumps(R, indent=1))
 

@@ -65,6 +65,11 @@ def _expert_size(trace: Trace, cfg: ReplayConfig) -> dict:
         geo, known = cm.geometry_for_model(trace.model)
     hidden, inter = cm.EXPERT_GEOMETRY[geo]
     params = cm.expert_params(hidden, inter)
+    if not cfg.geometry and not cfg.expert_bytes and trace.expert_bytes and trace.expert_dtype in cm.DTYPE_BITS:
+        # A live store's trace: its experts' real size, from the store's manifest.
+        b, dt = int(trace.expert_bytes), trace.expert_dtype
+        return {"params": int(round(b * 8 / cm.DTYPE_BITS[dt])), "bytes": b,
+                "source": f"the store's manifest: {b:,} bytes per expert ({dt})"}
     nbytes = cfg.expert_bytes or cm.expert_bytes(params, cfg.dtype)
     if cfg.expert_bytes:
         params = int(round(cfg.expert_bytes * 8 / cm.DTYPE_BITS[cfg.dtype]))

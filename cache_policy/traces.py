@@ -10,6 +10,8 @@ Format (numpy ``.npz``, the layout of ``../shared/traces/README.md``):
 | weights       | [T, L, k]    | optional router weight of each chosen expert               |
 | model         | scalar str   | optional: model the trace came from                        |
 | layer_numbers | [L] int      | optional: model layer index of each traced layer           |
+| expert_bytes  | scalar int   | optional: bytes of one expert in the store that ran it     |
+| expert_dtype  | scalar str   | optional: its format as the cost model names it (mxfp4...) |
 
 Tokens of a sequence are in order; the k ids of one token at one layer must be distinct.
 """
@@ -31,6 +33,8 @@ class Trace:
     model: str = "unknown"
     layer_numbers: "np.ndarray | None" = None
     source: str = "<memory>"
+    expert_bytes: "int | None" = None     # a live store's trace: its real blob size (replay sizes experts by it)
+    expert_dtype: "str | None" = None     # and its format (cost_model.DTYPE_BITS name)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -65,7 +69,8 @@ class Trace:
         return Trace(ids=self.ids[idx], seq_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
                      num_experts=self.num_experts,
                      weights=None if self.weights is None else self.weights[idx],
-                     model=self.model, layer_numbers=self.layer_numbers, source=self.source)
+                     model=self.model, layer_numbers=self.layer_numbers, source=self.source,
+                     expert_bytes=self.expert_bytes, expert_dtype=self.expert_dtype)
 
     def split(self, fraction: float) -> "tuple[Trace, Trace]":
         """First `fraction` of the sequences, and the rest (never overlapping)."""
@@ -83,6 +88,9 @@ class Trace:
             arrays["weights"] = self.weights.astype(np.float32)
         if self.layer_numbers is not None:
             arrays["layer_numbers"] = np.asarray(self.layer_numbers, dtype=np.int64)
+        if self.expert_bytes is not None:
+            arrays["expert_bytes"] = np.int64(self.expert_bytes)
+            arrays["expert_dtype"] = np.str_(self.expert_dtype or "")
         np.savez_compressed(path, **arrays)
 
 
@@ -158,7 +166,8 @@ def load_trace(path: str) -> Trace:
                  weights=z["weights"] if "weights" in z.files else None,
                  model=str(z["model"]) if "model" in z.files else "unknown",
                  layer_numbers=z["layer_numbers"] if "layer_numbers" in z.files else None,
-                 source=path)
+                 source=path, expert_bytes=int(z["expert_bytes"]) if "expert_bytes" in z.files else None,
+                 expert_dtype=(str(z["expert_dtype"]) or None) if "expert_dtype" in z.files else None)
 
 
 # ---------------------------------------------------------------------------------------------

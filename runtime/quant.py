@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -122,6 +123,7 @@ class _Lut16(WeightFormat):
     def __init__(self) -> None:
         self.table = self._make_table()                                  # table: [65536, per16] float32
         self._on: dict = {}
+        self._np = None
 
     def _make_table(self) -> torch.Tensor:
         raise NotImplementedError
@@ -139,7 +141,16 @@ class _Lut16(WeightFormat):
         raise NotImplementedError
 
     def dequantize(self, parts, out, idx: "torch.Tensor | None" = None):
-        c16 = self.codes(parts).reshape(-1).view(torch.int16)            # c16: [O*I/per16]
+        codes = self.codes(parts)
+        if out.device.type == "cpu" and out.is_contiguous() and codes.is_contiguous():
+            # numpy's take gathers 16-byte rows ~2x faster than torch's index_select on CPU
+            # (202 vs 377 us for 2^18 elements, 1 thread) and indexes by uint16 directly.
+            if self._np is None:
+                self._np = self.table.numpy()
+            np.take(self._np, codes.numpy().reshape(-1).view(np.uint16), axis=0, out=out.numpy().reshape(-1, self.per16))
+            self.apply_scales(parts, out)
+            return out
+        c16 = codes.reshape(-1).view(torch.int16)                        # c16: [O*I/per16]
         n = c16.numel()
         idx = torch.empty(n, dtype=torch.int32, device=out.device) if idx is None or idx.numel() < n else idx[:n]
         idx.copy_(c16)
@@ -187,11 +198,15 @@ class MXFP4(_Nibbles):
     def codes(self, parts):
         return parts["blocks"]
 
+    # E8M0 byte -> 2^(s - 127) (s = 0: 2^-127, a float32 subnormal; s = 255: NaN), by table.
+    E8M0 = torch.tensor([2.0 ** (i - 127) for i in range(255)] + [float("nan")], dtype=torch.float64).float()
+
     def scales(self, parts):
-        s = parts["scales"].to(torch.int32)
-        # E8M0 -> float32 by placing the byte in the exponent field: exactly 2^(s-127); s = 0 is 2^-127,
-        # a float32 subnormal (bit 22).
-        return torch.where(s == 0, torch.full_like(s, 1 << 22), s << 23).view(torch.float32)
+        s = parts["scales"]
+        t = self._on.get(("e8m0", s.device))
+        if t is None:
+            t = self._on[("e8m0", s.device)] = self.E8M0.to(s.device)
+        return t[s.long()]
 
     def quantize(self, w):
         O, I = w.shape

@@ -391,3 +391,29 @@ def test_budget_holds_more_quantized_experts(tmp_path):
     bf = sum(math.prod(shape) * dt.itemsize for _, shape, dt in blob_tensor_specs(expert_weight_specs(H, I, get_format("bf16"))))
     mx = sum(get_format("mxfp4").nbytes(s) for s in ((I, H), (I, H), (H, I)))
     assert mx * 8 == 3 * H * I * 4.25 and 3.7 < bf / mx < 3.8
+
+
+def test_a_stores_trace_replays_with_its_real_expert_size(tmp_path):
+    """Replay and the cost model size a store's experts from its manifest (not a geometry x dtype guess)."""
+    from cache_policy.replay import ReplayConfig, replay_batch
+    from cache_policy.traces import load_trace
+    hf = str(tmp_path / "hf")
+    build_hf("mixtral", hf)
+    convert(hf, str(tmp_path / "q"), quantize="mxfp4")
+    m = Manifest.read(str(tmp_path / "q"))
+    model, store = load_model(str(tmp_path / "q"), expert_budget=8 * m.blob_stride)
+    try:
+        eng = Engine(model, store, max_batch=2, prefill_chunk=1)
+        for p in ([1, 2, 3], [4, 5, 6, 7]):
+            eng.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
+        eng.run()
+        eng.trace().save(str(tmp_path / "t.npz"))
+        live = store.stats.bytes["host_to_device"]
+    finally:
+        store.close()
+    tr = load_trace(str(tmp_path / "t.npz"))
+    assert tr.expert_bytes == m.blob_bytes and tr.expert_dtype == "mxfp4"
+    r = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="8", profile="h200"), 2)
+    assert r["expert_bytes"] == m.blob_bytes and "manifest" in r["expert_size_source"]
+    # the replayed bytes are the live store's bytes (same placement, same blob size)
+    assert r["bytes_per_token"]["host_to_device"] * tr.num_tokens == live
