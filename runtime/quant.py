@@ -106,9 +106,9 @@ class Dense(WeightFormat):
         return out
 
 
-def _split_cols(shape: tuple, group: int, name: str, what: str) -> None:
+def _split_cols(shape: tuple, group: int, what: str) -> None:
     if len(shape) != 2 or shape[1] % group:
-        raise ValueError(f"{name}: {what} needs a 2-D weight whose input size is a multiple of {group}, got {tuple(shape)}")
+        raise ValueError(f"{what} needs a 2-D weight whose input size is a multiple of {group}, got {tuple(shape)}")
 
 
 class _Lut16(WeightFormat):
@@ -191,7 +191,7 @@ class MXFP4(_Nibbles):
     values = FP4_E2M1
 
     def parts(self, shape):
-        _split_cols(shape, 32, "mxfp4", "mxfp4")
+        _split_cols(shape, 32, "mxfp4")
         O, I = shape
         return [Part("blocks", (O, I // 2), torch.uint8), Part("scales", (O, I // 32), torch.uint8)]
 
@@ -240,7 +240,7 @@ class INT4(_Nibbles):
         return {"group": self.group, "scale_dtype": self.scale_dtype}
 
     def parts(self, shape):
-        _split_cols(shape, self.group, "int4", f"int4 with group {self.group}")
+        _split_cols(shape, self.group, f"int4 with group {self.group}")
         O, I = shape
         return [Part("packed", (O, I // 8), torch.int32), Part("scale", (O, I // self.group), SCALE_DTYPES[self.scale_dtype])]
 
@@ -395,6 +395,11 @@ def expert_weight_specs(H: int, I: int, fmt: WeightFormat, bias_dtype: "torch.dt
     if bias_dtype is not None:
         b = dense_format_of(bias_dtype).name
         out += [WeightSpec("gate_up_bias", (2 * I,), b), WeightSpec("down_bias", (H,), b)]
+    for w in out:
+        try:
+            w.fmt.parts(w.shape)
+        except ValueError as e:
+            raise ValueError(f"expert weight {w.name} {tuple(w.shape)} cannot be stored as {w.format}: {e}") from None
     return out
 
 

@@ -378,7 +378,10 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
                              f"supported quant_method: {', '.join(QUANT_METHODS)}")
         fmt = get_format(QUANTIZE_CHOICES[quantize]) if quantize else dense_format_of(dt)
         source = f"quantized from {dense_format_of(dt).name}" if quantize else "float"
-    weights = expert_weight_specs(H, I, fmt, bias_dtype)
+    try:
+        weights = expert_weight_specs(H, I, fmt, bias_dtype)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
     writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
                          num_experts=cfg.num_experts, weights=weights, layer_numbers=cfg.moe_layers,
                          extra={"model_type": cfg.model_type, "expert_source": source})

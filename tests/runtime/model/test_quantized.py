@@ -398,7 +398,11 @@ def test_a_stores_trace_replays_with_its_real_expert_size(tmp_path):
     from cache_policy.replay import ReplayConfig, replay_batch
     from cache_policy.traces import load_trace
     hf = str(tmp_path / "hf")
-    build_hf("mixtral", hf)
+    build_hf("mixtral", hf)   # expert intermediate 48: not a multiple of 32
+    with pytest.raises(ValueError, match=r"expert weight down \(64, 48\) cannot be stored as mxfp4: mxfp4 needs a 2-D "
+                                         r"weight whose input size is a multiple of 32"):
+        convert(hf, str(tmp_path / "bad"), quantize="mxfp4")
+    build_hf("qwen3_moe", hf)
     convert(hf, str(tmp_path / "q"), quantize="mxfp4")
     m = Manifest.read(str(tmp_path / "q"))
     model, store = load_model(str(tmp_path / "q"), expert_budget=8 * m.blob_stride)
