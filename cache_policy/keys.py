@@ -34,10 +34,14 @@ _BYTE_UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-    """'24GiB' -> 25769803776. Raises ValueError naming the text on anything else."""
+    """'24GiB' -> 25769803776; a plain integer is bytes ('200000'). Raises ValueError naming the
+    text on anything else."""
+    if re.fullmatch(r"\s*[0-9]+\s*", str(text)):
+        return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)\s*", str(text), flags=re.IGNORECASE)
     if not m:
-        raise ValueError(f"cannot parse byte size {text!r}: expected a number with a unit such as 512MiB, 24GiB, 1.5TB")
+        raise ValueError(f"cannot parse byte size {text!r}: expected bytes (200000) or a number with a unit such as "
+                         f"512MiB, 24GiB, 1.5TB")
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
 

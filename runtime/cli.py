@@ -247,7 +247,7 @@ def _budget(text, flag):
     try:
         return parse_bytes(text)
     except ValueError:
-        raise CliError(f"{flag}: cannot parse {text!r}: give a size such as 512MiB or 4GiB") from None
+        raise CliError(f"{flag}: cannot parse {text!r}: give bytes (200000) or a size such as 512MiB or 4GiB") from None
 
 
 def cmd_convert(a) -> int:
@@ -269,11 +269,15 @@ def cmd_generate(a) -> int:
     from .model import load_model
     from .tokenizer import Tokenizer
     tok = Tokenizer(a.model)
+    if a.prompt_ids and a.prompt:
+        raise CliError("give --prompt or --prompt-ids, not both")
     if a.prompt_ids:
-        try:
-            prompts = [[int(x) for x in a.prompt_ids.split(",")]]
-        except ValueError:
-            raise CliError(f"--prompt-ids: {a.prompt_ids!r} is not a comma-separated list of integers") from None
+        prompts = []
+        for text in a.prompt_ids:
+            try:
+                prompts.append([int(x) for x in text.split(",")])
+            except ValueError:
+                raise CliError(f"--prompt-ids: {text!r} is not a comma-separated list of integers") from None
     elif a.prompt is not None:
         prompts = [tok.encode(p) for p in a.prompt]
     else:
@@ -312,16 +316,32 @@ def cmd_serve(a) -> int:
     from .serve.api import Server
     from .serve.client import EngineError
     from .serve.engine_proc import EngineConfig
-    if a.api_key is not None and not a.api_key:
+    key = a.api_key
+    if a.api_key_file:
+        if key is not None:
+            raise CliError("give --api-key or --api-key-file, not both")
+        try:
+            with open(a.api_key_file) as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise CliError(f"--api-key-file {a.api_key_file!r}: {e.strerror}") from None
+        if not key:
+            raise CliError(f"--api-key-file {a.api_key_file!r}: the first line is empty")
+    elif key is None and os.environ.get("TIERED_MOE_API_KEY"):
+        key = os.environ["TIERED_MOE_API_KEY"]
+    if key is not None and not key:
         raise CliError("--api-key is empty")
+    if key is None and a.host not in ("127.0.0.1", "localhost", "::1") and not a.host.startswith("127."):
+        print(f"tiered-moe: WARNING: binding {a.host} without an API key: anyone who can reach this address can use "
+              f"the model (set TIERED_MOE_API_KEY or --api-key-file)", file=sys.stderr)
     cfg = EngineConfig(model=a.model, device_budget=_budget(a.device_budget, "--device-budget"),
                        kv_cache_budget=_budget(a.kv_cache_budget, "--kv-cache-budget") or 0,
                        host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
                        prefetch=a.prefetch, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, threads=a.threads,
                        cache_bonus=a.cache_bonus, schedule=a.schedule, max_active=a.max_active)
     try:
-        srv = Server(cfg, host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
-                     startup_timeout=a.startup_timeout)
+        srv = Server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
+                     startup_timeout=a.startup_timeout, timeout=a.timeout, heartbeat_timeout=a.heartbeat_timeout)
     except EngineError as e:
         raise CliError(str(e)) from None
     stop = threading.Event()
@@ -449,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a converted store")
     g.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for several, decoded as a batch)")
-    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    g.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids (repeat for several)")
     _add_tier_args(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -465,7 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests (visible in ps: "
+                                                     "prefer TIERED_MOE_API_KEY or --api-key-file)")
+    sv.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    sv.add_argument("--timeout", type=float, default=60.0, help="seconds a client socket may stay silent (read or write)")
+    sv.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                    help="seconds without a message from the engine before it is killed and restarted")
     sv.add_argument("--served-model-name", default=None, help="model id clients use (default: the store's name)")
     _add_tier_args(sv)
     sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the engine to load")

@@ -18,6 +18,29 @@ import torch
 from ..model.moe import Sequence, route
 
 
+class FinishReason:
+    """Why a request ended (the OpenAI ``finish_reason`` values, plus ``error`` and ``abort``)."""
+    STOP = "stop"          # an EOS or stop token
+    LENGTH = "length"      # max_tokens reached
+    ABORT = "abort"        # the client went away or asked
+    ERROR = "error"        # the engine failed while serving it (the message says why); others go on
+
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class StepOutput:
+    """One request's result of one step: a new token (None while its prompt is still being fed),
+    and, when it finished, why; ``error`` names the cause of a failed request."""
+    request_id: int
+    token: "int | None"
+    finished: bool = False
+    finish_reason: "str | None" = None
+    error: "str | None" = None
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 32
@@ -41,9 +64,11 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: "torch.Generator | None") -> int:
     """logits: [vocab] float32."""
-    if p.temperature == 0:
+    if not bool(torch.isfinite(logits).any()):
+        raise FloatingPointError("the model produced no finite logit for this token")
+    if p.temperature < SAMPLING_EPS:
         return int(logits.argmax())
-    x = logits / p.temperature
+    x = logits.double() / p.temperature            # float64: small temperatures stay finite
     if p.top_k:
         kth = x.topk(min(p.top_k, x.numel())).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -53,6 +78,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: "torch.Generator | None
         keep = sp.cumsum(0) - sp < p.top_p         # the smallest prefix whose mass reaches top_p
         probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
         probs = probs / probs.sum()
+    if not bool(torch.isfinite(probs).all()) or not probs.sum() > 0:
+        return int(logits.argmax())                # degenerate distribution: the mode
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
@@ -71,6 +98,7 @@ class Request:
     first_token_time: "float | None" = None
     routing: list = field(default_factory=list)   # per step: [fed tokens, moe layers, k] expert ids
     last_step: int = -1                           # the last step this request ran in
+    error: "str | None" = None                    # why it failed (finish_reason "error")
 
 
 @dataclass
@@ -83,6 +111,7 @@ class StepRecord:
     bytes: dict
     stall_seconds: float
     seconds: float
+    failed: int = 0          # requests this step failed (an error while serving them)
 
 
 class Engine:
@@ -125,6 +154,21 @@ class Engine:
         model.record = self._record
         model.prefetch_hook = self._after_moe if prefetch != "none" else None
         self._step_routing: list = []
+        # A layer whose experts exceed the device tier runs in waves - which needs a host tier that
+        # holds every expert. Without one, a step may feed at most cap // top_k tokens (so no layer
+        # can need more experts than the device holds); start-up refuses a tier too small for one
+        # decode step of max_batch sequences.
+        self.step_tokens = None
+        cap = store.placement.device[0].capacity
+        if not getattr(store, "_host_holds_all", True) and cap < cfg.num_experts:
+            self.step_tokens = cap // cfg.top_k
+            if self.step_tokens < min(max_batch, cfg.num_experts):
+                need = min(cfg.num_experts, max_batch * cfg.top_k)
+                raise ValueError(f"the device tier holds {cap} experts per layer and the host tier does not hold every "
+                                 f"expert: a step of --max-batch {max_batch} sequences needs up to {need} experts of a "
+                                 f"layer at once. Raise the device budget to hold {need} experts "
+                                 f"({need * store.m.blob_stride:,} bytes of expert slots), let the host hold every "
+                                 f"expert, or lower --max-batch to {max(1, self.step_tokens)}")
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: list, params: "SamplingParams | None" = None) -> int:
@@ -150,7 +194,7 @@ class Engine:
             for r in list(q):
                 if r.id == rid:
                     q.remove(r)
-                    r.finished, r.finish_reason = True, "abort"
+                    r.finished, r.finish_reason = True, FinishReason.ABORT
                     self.model.release(r.seq)     # frees its KV slot
                     self.done[rid] = r
 
@@ -184,8 +228,19 @@ class Engine:
         self.store.prefetch(nxt, pred, self._step_no)
 
     # -- the step ------------------------------------------------------------------------------
+    def _fail(self, r: Request, message: str) -> StepOutput:
+        """End one request with an error; its slots are freed, the engine goes on."""
+        if r in self.running:
+            self.running.remove(r)
+        self.model.release(r.seq)
+        r.finished, r.finish_reason, r.error = True, FinishReason.ERROR, message
+        self.done[r.id] = r
+        return StepOutput(r.id, None, True, FinishReason.ERROR, message)
+
     def step(self) -> list:
-        """Schedule, execute, record. Returns [(request id, new token or None, finished)]."""
+        """Schedule, execute, record. Returns one ``StepOutput`` per request of the step. An
+        error while executing the step fails that step's requests (their slots are freed) and
+        nobody else's."""
         t0 = time.perf_counter()
         while self.waiting and len(self.running) < self.max_active:
             self.running.append(self.waiting.pop(0))
@@ -193,16 +248,33 @@ class Engine:
             return []
         batch = self._choose() if len(self.running) > self.max_batch else list(self.running)
         chunks = []
+        budget = None if self.step_tokens is None else self.step_tokens - sum(r.fed >= len(r.prompt) for r in batch)
+        fed = []
         for r in batch:
             if r.fed < len(r.prompt):
-                chunks.append(r.prompt[r.fed:r.fed + self.prefill_chunk])
+                n = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
+                if n <= 0:
+                    continue          # no room left in this step's token budget: next step
+                chunks.append(r.prompt[r.fed:r.fed + n])
+                if budget is not None:
+                    budget -= len(chunks[-1])
             else:
                 chunks.append([r.output[-1]])
+            fed.append(r)
+        batch = fed
         st = self.store.stats
         before = (dict(st.hits), dict(st.bytes), st.stall_seconds)
         self._step_routing = []
         self.model.step = self._step_no
-        logits = self.model.forward([r.seq for r in batch], chunks)
+        try:
+            logits = self.model.forward([r.seq for r in batch], chunks)
+        except Exception as e:  # noqa: BLE001 - one step's failure must not take the engine down
+            msg = f"{type(e).__name__}: {e}"
+            out = [self._fail(r, msg) for r in batch]
+            self._pred.clear()
+            self.store.end_step()
+            self._record_step(before, chunks, [], t0, failed=len(batch))
+            return out
         # Routing of this step's tokens, per request, in feed order: one [tokens, L, k] array per step.
         L, E = self.model.cfg.num_moe_layers, self.model.cfg.num_experts
         per_layer = dict(self._step_routing)
@@ -215,23 +287,29 @@ class Engine:
         seen = np.bincount((A + (np.arange(L) * E)[None, :, None]).reshape(-1), minlength=L * E).reshape(L, E)
         out = []
         finished = []
+        failed = 0
         now = time.perf_counter()
         for r, c, lg in zip(batch, chunks, logits):
             if r.fed < len(r.prompt):
                 r.fed += len(c)
                 if r.fed < len(r.prompt):
-                    out.append((r.id, None, False))
+                    out.append(StepOutput(r.id, None))
                     continue
-            tok = sample(lg, r.params, r.gen)
+            try:
+                tok = sample(lg, r.params, r.gen)
+            except Exception as e:  # noqa: BLE001 - this request alone
+                out.append(self._fail(r, f"{type(e).__name__}: {e}"))
+                failed += 1
+                continue
             if r.first_token_time is None:
                 r.first_token_time = now
             r.output.append(tok)
             p = r.params
             if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.model.cfg.eos_token_ids):
-                r.finished, r.finish_reason = True, "stop"
+                r.finished, r.finish_reason = True, FinishReason.STOP
             elif len(r.output) >= p.max_tokens:
-                r.finished, r.finish_reason = True, "length"
-            out.append((r.id, tok, r.finished))
+                r.finished, r.finish_reason = True, FinishReason.LENGTH
+            out.append(StepOutput(r.id, tok, r.finished, r.finish_reason))
             if r.finished:
                 finished.append(r)
         for r in finished:
@@ -239,13 +317,16 @@ class Engine:
             self.model.release(r.seq)
             self.done[r.id] = r
         self.store.end_step()
-        self.steps.append(StepRecord(
-            step=self._step_no, batch=len(chunks), tokens=sum(len(c) for c in chunks),
-            unique_experts=(seen > 0).sum(1).tolist(),
-            hits={k: st.hits[k] - before[0][k] for k in st.hits}, bytes={k: st.bytes[k] - before[1][k] for k in st.bytes},
-            stall_seconds=st.stall_seconds - before[2], seconds=time.perf_counter() - t0))
-        self._step_no += 1
+        self._record_step(before, chunks, (seen > 0).sum(1).tolist(), t0, failed=failed)
         return out
+
+    def _record_step(self, before, chunks, unique, t0, failed=0) -> None:
+        st = self.store.stats
+        self.steps.append(StepRecord(
+            step=self._step_no, batch=len(chunks), tokens=sum(len(c) for c in chunks), unique_experts=unique,
+            hits={k: st.hits[k] - before[0][k] for k in st.hits}, bytes={k: st.bytes[k] - before[1][k] for k in st.bytes},
+            stall_seconds=st.stall_seconds - before[2], seconds=time.perf_counter() - t0, failed=failed))
+        self._step_no += 1
 
     def _choose(self) -> list:
         """Expert-aware batching: max_batch of the active requests, grouped by the overlap of the

@@ -4,13 +4,25 @@ while the engine process decodes.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (server-sent events
 with ``"stream": true``, usage with ``stream_options.include_usage``), GET /health, GET /metrics.
-Errors use OpenAI's object ``{"error": {"message", "type", "param", "code"}}``.
+Errors use OpenAI's object ``{"error": {"message", "type", "param", "code"}}`` - for every status,
+malformed requests and unknown methods included.
+
+Hostile input fails alone: sampling values are checked against what the engine and the wire
+format take (integers within int64; temperatures below 1e-5 are greedy, as in vLLM), a body that
+is not JSON, nests too deep or carries lone surrogates is a 400, an error in the engine fails that
+request with a 500 naming the cause, and any other exception is a 500 for that request. Sockets
+have a read/write timeout (``timeout``), responses go out with TCP_NODELAY, a non-streaming client
+that disconnects has its request aborted, and so does a stream whose client stops reading
+(its writes time out).
 """
 from __future__ import annotations
 
 import hmac
 import json
 import queue
+import select
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -20,7 +32,8 @@ from .chat import ChatFormatter
 from .client import EngineClient, EngineError
 from .metrics import ServerMetrics
 
-MAX_BODY = 16 << 20
+MAX_BODY = 8 << 20
+INT64 = 1 << 63           # integers that cross the msgpack wire as int64
 
 
 class ApiError(Exception):
@@ -39,7 +52,12 @@ def _num(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_ope
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)}", param=name)
+        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:80]}",
+                       param=name)
+    if not integer and v != v or v in (float("inf"), float("-inf")):
+        raise ApiError(400, f"'{name}' must be a finite number", param=name)
+    if integer and not -INT64 <= v < INT64:
+        raise ApiError(400, f"'{name}' must fit in a signed 64-bit integer, got {v}", param=name)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise ApiError(400, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", param=name)
     if hi is not None and v > hi:
@@ -72,28 +90,38 @@ def _unsupported(body: dict) -> None:
 
 
 class Detokenizer:
-    """Token ids -> text deltas. Holds back a trailing incomplete UTF-8 sequence (decoded as
-    U+FFFD) and, with stop strings, the last few characters that could start one."""
+    """Token ids -> text deltas, incrementally: each token decodes only a short window of the
+    latest ids (from ``prefix``, a few tokens back, so merges across token boundaries come out
+    right), never the whole output again. Holds back a trailing incomplete UTF-8 sequence (decoded
+    as U+FFFD) and, with stop strings, the last few characters that could start one."""
 
     def __init__(self, tok, stops: list) -> None:
         self.tok, self.stops = tok, stops
         self.ids: list = []
-        self.sent = 0
-        self.text = ""
+        self.prefix = 0          # ids[prefix:read] decode to text already appended
+        self.read = 0
+        self.text = ""           # everything decoded so far
+        self.sent = 0            # characters of text already returned
         self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def _decode_new(self) -> None:
+        prev = self.tok.decode(self.ids[self.prefix:self.read])
+        cur = self.tok.decode(self.ids[self.prefix:])
+        if cur.endswith("\ufffd"):
+            return                                   # an incomplete character: wait for more tokens
+        self.text += cur[len(prev):]
+        self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
 
     def push(self, tid: int) -> "tuple[str, bool]":
         """Returns (delta, hit a stop string)."""
         self.ids.append(tid)
-        self.text = self.tok.decode(self.ids)
+        self._decode_new()
         for s in self.stops:
-            i = self.text.find(s)
+            i = self.text.find(s, max(0, self.sent - len(s)))
             if i >= 0:
                 self.text = self.text[:i]
                 return self._flush(), True
         end = len(self.text) - self.hold
-        if self.text.endswith("\ufffd"):
-            end = min(end, len(self.text) - 1)
         if end <= self.sent:
             return "", False
         d = self.text[self.sent:end]
@@ -106,6 +134,9 @@ class Detokenizer:
         return d
 
     def finish(self) -> str:
+        if self.read < len(self.ids):                # a trailing incomplete character: as U+FFFD
+            self.text += self.tok.decode(self.ids[self.prefix:])[len(self.tok.decode(self.ids[self.prefix:self.read])):]
+            self.read = len(self.ids)
         return self._flush()
 
 
@@ -113,7 +144,8 @@ class Server:
     """Engine client + HTTP server. ``start()`` returns once both listen; ``close()`` stops both."""
 
     def __init__(self, cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: "str | None" = None,
-                 served_model_name: "str | None" = None, startup_timeout: float = 300.0) -> None:
+                 served_model_name: "str | None" = None, startup_timeout: float = 300.0, timeout: float = 60.0,
+                 heartbeat_timeout: float = 60.0, restart_wait: float = 60.0, max_body: int = MAX_BODY) -> None:
         from ..tokenizer import Tokenizer
         self.cfg, self.api_key = cfg, api_key
         self.tok = Tokenizer(cfg.model)
@@ -121,7 +153,9 @@ class Server:
             raise ValueError(f"{cfg.model}: no tokenizer.json; serving needs the checkpoint's tokenizer")
         self.chat = ChatFormatter(cfg.model)
         self.metrics = ServerMetrics()
-        self.engine = EngineClient(cfg, metrics=self.metrics, startup_timeout=startup_timeout)
+        self.timeout, self.max_body = timeout, max_body
+        self.engine = EngineClient(cfg, metrics=self.metrics, startup_timeout=startup_timeout,
+                                   heartbeat_timeout=heartbeat_timeout, restart_wait=restart_wait)
         self.model_name = served_model_name or self.engine.info["model"]
         self.max_context = self.engine.info["max_context"]
         self.vocab_size = self.engine.info["vocab_size"]
@@ -132,6 +166,7 @@ class Server:
             self.engine.close()
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
         self.httpd.app = self
+        self.httpd.timeout_s = timeout
         self.host, self.port = self.httpd.server_address[:2]
         self._thread = None
 
@@ -166,8 +201,9 @@ class Server:
 
     def sampling(self, body: dict, prompt_len: int, default_max: "int | None") -> dict:
         room = self.max_context - prompt_len
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        # max_completion_tokens (the newer name) wins when set; a null one falls back to max_tokens
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = body.get(name)
         if max_tokens is None:
             max_tokens = min(default_max, room) if default_max else room
         else:
@@ -191,7 +227,7 @@ class Server:
         if isinstance(p, str):
             if not p:
                 raise ApiError(400, "'prompt' is empty", param="prompt")
-            return self.tok.encode(p)
+            return self.encode(p, "prompt")
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
@@ -224,6 +260,20 @@ class Server:
             text = self.chat.render(clean)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
+        return self.encode(text, "messages")
+
+    def encode(self, text: str, param: str) -> list:
+        """Text -> ids; refuses text that cannot be valid UTF-8 (lone surrogates) and text so long
+        that it cannot fit the context whatever the tokenizer does (64 characters per token is
+        beyond any vocabulary's tokens), before spending the tokenizer's time on it."""
+        if len(text) > 64 * self.max_context:
+            raise ApiError(400, f"'{param}' has {len(text):,} characters: more than this model's context of "
+                                f"{self.max_context} tokens can hold", param=param, code="context_length_exceeded")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"'{param}' is not valid Unicode text ({e.reason} at position {e.start})",
+                           param=param) from None
         return self.tok.encode(text)
 
 
@@ -247,8 +297,31 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "tiered-moe"
 
+    def setup(self) -> None:
+        # A read/write timeout per socket: slow or idle clients (slowloris, a stream nobody reads)
+        # time out instead of holding a thread forever. TCP_NODELAY: a response's small writes go
+        # out at once (Nagle + delayed ACK cost 40 ms per keep-alive request).
+        self.timeout = getattr(self.server, "timeout_s", 60.0)
+        super().setup()
+        try:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+    def version_string(self) -> str:
+        return self.server_version      # no Python version in the Server header
+
     def log_message(self, fmt, *args):   # quiet by default; access logs are not our job
         pass
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's errors (bad request line, headers too long, unknown method) as
+        OpenAI error objects, not HTML pages."""
+        try:
+            self.close_connection = True
+            self._send(code, ApiError(code, message or self.responses.get(code, ("error",))[0]).body())
+        except OSError:
+            pass
 
     @property
     def app(self) -> Server:
@@ -261,7 +334,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if getattr(self, "command", None) != "HEAD":
+            self.wfile.write(data)
 
     def _error(self, e: ApiError) -> None:
         self._send(e.status, e.body())
@@ -275,15 +349,23 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
 
     def _body(self) -> dict:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            raise ApiError(411, "chunked request bodies are not accepted: send Content-Length")
         try:
             n = int(self.headers.get("Content-Length", "0"))
         except ValueError:
             raise ApiError(400, "bad Content-Length header") from None
-        if n > MAX_BODY:
-            raise ApiError(413, f"request body of {n} bytes exceeds {MAX_BODY}")
+        if n < 0:
+            raise ApiError(400, f"bad Content-Length header ({n})")
+        if n > self.app.max_body:
+            raise ApiError(413, f"request body of {n:,} bytes exceeds the limit of {self.app.max_body:,}")
         raw = self.rfile.read(n)
+        if len(raw) < n:
+            raise _ClientGone()
         try:
             body = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "request body nests too deeply") from None
         except ValueError as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -307,8 +389,15 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "POST" and e.status >= 400 and not getattr(self, "_body_read", False):
                 self.close_connection = True   # an unread body must not be parsed as the next request
             self._error(e)
-        except (BrokenPipeError, ConnectionResetError, _ClientGone):
+        except (BrokenPipeError, ConnectionResetError, _ClientGone, TimeoutError, socket.timeout):
             self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a bug of ours fails this request, not the server
+            print(f"tiered-moe: {method} {path}: {type(e).__name__}: {e}", file=sys.stderr)
+            self.close_connection = True
+            try:
+                self._error(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
+            except OSError:
+                pass
 
     def do_GET(self):
         self._route("GET")
@@ -316,12 +405,27 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self._route("POST")
 
+    def _no_such_method(self):
+        self._route(self.command)
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _no_such_method
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its connection (a readable socket with nothing to read). A
+        client that pipelines its next request is still there."""
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
     # -- endpoints -----------------------------------------------------------------------------
     def _health(self) -> None:
-        if self.app.engine.alive:
-            self._send(200, {"status": "ok"})
+        e = self.app.engine
+        if e.alive:
+            self._send(200, {"status": "ok", "restarts": e.restarts})
         else:
-            self._send(503, {"status": "engine not running", "exitcode": self.app.engine.proc.returncode})
+            self._send(503, {"status": "engine restarting", "last_exit": e.last_exit, "restarts": e.restarts})
 
     def _metrics(self) -> None:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -348,8 +452,6 @@ class _Handler(BaseHTTPRequestHandler):
         stops = _stops(body)
         prompt = a.chat_prompt(body) if chat else a.completion_prompt(body)
         params = a.sampling(body, len(prompt), None if chat else 16)
-        if not a.engine.alive:
-            raise ApiError(503, "the engine is not running", type="server_error", code="engine_unavailable")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         t0 = time.monotonic()
         try:
@@ -376,16 +478,21 @@ class _Handler(BaseHTTPRequestHandler):
         a = self.app
         while True:
             try:
-                kind, payload, when = q.get(timeout=1.0)
+                kind, payload, when = q.get(timeout=0.25)
             except queue.Empty:
-                if not a.engine.alive and q.empty():
-                    kind, payload, when = "dead", "the engine process exited", time.monotonic()
-                else:
-                    continue
+                if not state.get("streaming") and self._client_gone():
+                    raise _ClientGone()        # nobody will read the answer: the caller aborts it
+                continue
             if kind == "rejected":
                 raise ApiError(400, payload)
+            if kind == "failed":
+                a.metrics.request_errors.labels("engine").inc()
+                raise ApiError(500, f"the engine failed this request: {payload}", type="server_error",
+                               code="engine_error")
             if kind == "dead":
-                raise ApiError(503, payload, type="server_error", code="engine_unavailable")
+                a.metrics.request_errors.labels("engine_exit").inc()
+                raise ApiError(503, f"{payload}; it is being restarted - retry the request", type="server_error",
+                               code="engine_unavailable")
             tok, reason = payload
             m = a.metrics
             if state["first"] is None:
@@ -456,6 +563,7 @@ class _Handler(BaseHTTPRequestHandler):
                 out["usage"] = None
             return out
 
+        state["streaming"] = True
         if chat:
             event(chunk("", None, first=True))
         try:

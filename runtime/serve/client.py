@@ -1,6 +1,12 @@
 """The front-end's side of the engine: spawns the engine process, binds the ZeroMQ sockets in a
 private temp directory, does the start-up handshake, and routes each engine message to the
-request it belongs to."""
+request it belongs to.
+
+It also supervises the engine: an engine that exits, or sends nothing for ``heartbeat_timeout``
+seconds (it reports at least once a second when idle, and after every step), is killed and
+started again with exponential backoff (0.5 s doubling to 30 s). Requests in flight at that
+moment get an error naming the cause; new requests wait for the restart (up to
+``restart_wait`` seconds) instead of failing at once. ``restarts`` counts the restarts."""
 from __future__ import annotations
 
 import json
@@ -23,7 +29,8 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, cfg: EngineConfig, *, metrics=None, startup_timeout: float = 300.0) -> None:
+    def __init__(self, cfg: EngineConfig, *, metrics=None, startup_timeout: float = 300.0,
+                 heartbeat_timeout: float = 60.0, restart_wait: float = 60.0) -> None:
         import zmq
         self.cfg, self.metrics = cfg, metrics
         self.tmp = tempfile.mkdtemp(prefix="tiered-moe-")
@@ -41,43 +48,44 @@ class EngineClient:
         self._queues: dict = {}
         self._qlock = threading.Lock()
         self._stop = threading.Event()
+        self._up = threading.Event()          # set while an engine is running and ready
         self.alive = False
         self.proc = None
+        self.restarts = 0
+        self.last_exit: "str | None" = None   # why the last engine went away
+        self.heartbeat_timeout, self.restart_wait = heartbeat_timeout, restart_wait
+        self.startup_timeout = startup_timeout
         try:
-            # A fresh interpreter (not fork: torch and ZeroMQ threads do not survive a fork; not
-            # multiprocessing's spawn: it re-imports the caller's __main__).
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "runtime.serve.engine_proc", json.dumps(asdict(cfg)), self.to_engine,
-                 self.from_engine, str(os.getpid())], env=env, stdin=subprocess.DEVNULL)
-            self.info = self._handshake(startup_timeout)
+            self.info = self._start()
         except BaseException:
             self.close()
             raise
-        self.alive = True
         if metrics:
-            metrics.engine_up.set(1)
             metrics.on_step({}, self.info["stats"])
         self._thread = threading.Thread(target=self._receive, name="tiered-moe-engine-receiver", daemon=True)
         self._thread.start()
 
-    def _handshake(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.pull.poll(200):
-                msg = decode(self.pull.recv())
-                if msg["type"] == "ready":
-                    return msg
-                if msg["type"] == "error":
-                    raise EngineError(f"the engine failed to start: {msg['message']}")
-            if self.proc.poll() is not None:
-                raise EngineError(f"the engine process exited (code {self.proc.returncode}) before it was ready")
-            if time.monotonic() > deadline:
-                raise EngineError(f"the engine did not report ready within {timeout:.0f} s")
+    def _start(self) -> dict:
+        """Spawn an engine and wait for its ready message."""
+        # A fresh interpreter (not fork: torch and ZeroMQ threads do not survive a fork; not
+        # multiprocessing's spawn: it re-imports the caller's __main__).
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.serve.engine_proc", json.dumps(asdict(self.cfg)), self.to_engine,
+             self.from_engine, str(os.getpid())], env=env, stdin=subprocess.DEVNULL)
+        info = self._handshake(self.startup_timeout)
+        self._last_heard = time.monotonic()
+        self.alive = True
+        self._up.set()
+        if self.metrics:
+            self.metrics.engine_up.set(1)
+        return info
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, rid: str, prompt: list, params: dict) -> "queue.Queue":
+        if not self.alive and not self._stop.is_set():
+            self._up.wait(self.restart_wait)   # an engine being restarted: wait for it (bounded)
         q: queue.Queue = queue.Queue()
         with self._qlock:
             self._queues[rid] = q
@@ -110,7 +118,7 @@ class EngineClient:
             except zmq.Again:
                 raise EngineError("the engine does not take requests (send timed out)") from None
 
-    # -- the receiver thread -------------------------------------------------------------------
+    # -- the receiver thread: routing and supervision ------------------------------------------
     def _receive(self) -> None:
         while not self._stop.is_set():
             try:
@@ -122,11 +130,46 @@ class EngineClient:
                     msg = decode(self.pull.recv())
                 except ProtocolError:
                     continue
+                except Exception:  # noqa: BLE001 - socket closed during shutdown
+                    return
+                self._last_heard = time.monotonic()
                 if msg["type"] == "step":
                     self._dispatch(msg)
-            elif self.proc.poll() is not None:
-                self._engine_died()
+                continue
+            if self.proc.poll() is not None:
+                self._engine_died(f"the engine process exited (code {self.proc.returncode})")
+            elif time.monotonic() - self._last_heard > self.heartbeat_timeout:
+                self._kill()
+                self._engine_died(f"the engine stopped answering (no message for {self.heartbeat_timeout:.0f} s) "
+                                  f"and was killed")
+            else:
+                continue
+            self._restart()
+
+    def _kill(self) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            p.kill()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _restart(self) -> None:
+        """Start a new engine, with exponential backoff between failed attempts."""
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                self.info = self._start()
+                self.restarts += 1
+                if self.metrics:
+                    self.metrics.engine_restarts.inc()
+                print(f"tiered-moe: engine restarted ({self.last_exit})", file=sys.stderr)
                 return
+            except EngineError as e:
+                print(f"tiered-moe: engine restart failed: {e}; next try in {delay:.1f} s", file=sys.stderr)
+            self._stop.wait(delay)
+            delay = min(30.0, 2 * delay)
 
     def _dispatch(self, msg: dict) -> None:
         now = time.monotonic()
@@ -137,18 +180,25 @@ class EngineClient:
                 q = self._queues.get(rid)
                 if q:
                     q.put(("rejected", text, now))
+            for rid, text in msg["failed"]:
+                q = self._queues.get(rid)
+                if q:
+                    q.put(("failed", text, now))
             for rid, tok, reason in msg["outputs"]:
                 q = self._queues.get(rid)
                 if q:
                     q.put(("token", (tok, reason), now))
 
-    def _engine_died(self) -> None:
+    def _engine_died(self, why: str) -> None:
         self.alive = False
+        self._up.clear()
+        self.last_exit = why
         if self.metrics:
             self.metrics.engine_up.set(0)
         with self._qlock:
             for q in self._queues.values():
-                q.put(("dead", f"the engine process exited (code {self.proc.returncode})", time.monotonic()))
+                q.put(("dead", why, time.monotonic()))
+            self._queues.clear()
 
     # -- shutdown ------------------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
@@ -158,6 +208,11 @@ class EngineClient:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self._stop.set()      # no restart from here on
+        self._up.set()
+        t = getattr(self, "_thread", None)
+        if t is not None:
+            t.join(5)
         p = self.proc
         if p is not None and p.poll() is None:
             try:
@@ -176,10 +231,6 @@ class EngineClient:
                     p.wait(5)
                 except subprocess.TimeoutExpired:
                     pass
-        self._stop.set()
-        t = getattr(self, "_thread", None)
-        if t is not None:
-            t.join(2)
         self.alive = False
         self.push.close(0)
         self.pull.close(0)

@@ -55,8 +55,9 @@ class EngineConfig:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
 
 
-def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) -> None:
-    """Entry point of the spawned engine process."""
+def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) -> int:
+    """Entry point of the spawned engine process. Returns the exit code: 0 after a shutdown, 1
+    when it failed (the supervisor in the front-end restarts it)."""
     import zmq
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -64,9 +65,11 @@ def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) ->
     pull.connect(to_engine)
     push.connect(from_engine)
     push.setsockopt(zmq.LINGER, 2000)
+    code = 0
     try:
         _serve(EngineConfig(**cfg), pull, push, parent_pid)
     except Exception as e:  # noqa: BLE001 - reported to the front-end, which owns the user's terminal
+        code = 1
         try:
             push.send(encode("error", message=f"{type(e).__name__}: {e}"))
         except Exception:  # noqa: BLE001
@@ -76,12 +79,13 @@ def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) ->
         pull.close(0)
         push.close()
         ctx.term()
+    return code
 
 
 def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     import torch
     import zmq
-    from ..engine import Engine, SamplingParams
+    from ..engine import Engine, FinishReason, SamplingParams
     from ..model import load_model
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -125,31 +129,34 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
                             eng.abort(iid)
                             eng.done.pop(iid, None)
                             rid_of.pop(iid, None)
-            outputs, record = [], {}
+            outputs, failed, record = [], [], {}
             if eng.has_work():
-                for iid, tok, finished in eng.step():
-                    if tok is None:
-                        continue
-                    r = eng.done.get(iid) if finished else None
-                    outputs.append([rid_of[iid], int(tok), r.finish_reason if r else None])
-                    if finished:
-                        eng.done.pop(iid, None)
-                        iid_of.pop(rid_of.pop(iid), None)
+                for o in eng.step():
+                    if o.finish_reason == FinishReason.ERROR:
+                        failed.append([rid_of[o.request_id], o.error or "error"])
+                    elif o.token is not None:
+                        outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason])
+                    if o.finished:
+                        eng.done.pop(o.request_id, None)
+                        iid_of.pop(rid_of.pop(o.request_id), None)
                 rec = eng.steps.pop()
                 eng.steps.clear()   # a server runs forever: records go out, not into a list
                 record = asdict(rec)
                 record["mean_unique_experts"] = sum(rec.unique_experts) / max(1, len(rec.unique_experts))
                 del record["unique_experts"]
+                if failed:
+                    print(f"tiered-moe engine: step {rec.step} failed {len(failed)} request(s): {failed[0][1]}",
+                          file=sys.stderr)
             now = time.monotonic()
-            if outputs or rejected or record or now - last_stats > 1.0:
+            if outputs or rejected or failed or record or now - last_stats > 1.0:
                 last_stats = now
                 stats = store.snapshot()
                 stats["running"], stats["waiting"] = len(eng.running), len(eng.waiting)
-                push.send(encode("step", outputs=outputs, rejected=rejected, record=record, stats=stats))
+                push.send(encode("step", outputs=outputs, rejected=rejected, failed=failed, record=record, stats=stats))
     finally:
         store.close()
 
 
 if __name__ == "__main__":
     import json
-    engine_main(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    sys.exit(engine_main(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])))

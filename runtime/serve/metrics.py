@@ -80,6 +80,10 @@ class ServerMetrics:
         self.store = _StoreCollector()
         r.register(self.store)
         self.engine_up = Gauge(P + "engine_up", "1 while the engine process is alive", registry=r)
+        self.engine_restarts = Counter(P + "engine_restarts", "Engine processes restarted by the supervisor (after an "
+                                       "exit or a missed heartbeat)", registry=r)
+        self.request_errors = Counter(P + "request_errors", "Requests that failed in the engine, by cause",
+                                      ["cause"], registry=r)
         self.stall = Histogram(P + "expert_stall_seconds", "Per step: time compute waited for experts",
                                buckets=(0.0,) + _SECONDS_FAST, registry=r)
         self.step = Histogram(P + "step_duration_seconds", "Engine step time (schedule, execute, record)",

@@ -10,14 +10,16 @@ front-end -> engine (PUSH -> PULL):
 engine -> front-end (PUSH -> PULL):
   ready    {model: str, vocab_size: int, max_context: int, num_layers: int, num_experts: int, pid: int, stats: {...}}
   step     {outputs: [[rid, token, finish_reason or None]], rejected: [[rid, message]],
+            failed: [[rid, message]] (requests the engine failed while serving them; it goes on),
             record: {...one step's record...}, stats: {...cumulative store counters and gauges...}}
+            Sent after every step and at least once a second when idle: the front-end's heartbeat.
   error    {message: str}   (start-up failed; the engine exits)
 """
 from __future__ import annotations
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 _FIELDS = {
     "add": {"rid": str, "prompt": list, "params": dict},
@@ -25,7 +27,7 @@ _FIELDS = {
     "shutdown": {},
     "ready": {"model": str, "vocab_size": int, "max_context": int, "num_layers": int, "num_experts": int, "pid": int,
               "stats": dict},
-    "step": {"outputs": list, "rejected": list, "record": dict, "stats": dict},
+    "step": {"outputs": list, "rejected": list, "failed": list, "record": dict, "stats": dict},
     "error": {"message": str},
 }
 

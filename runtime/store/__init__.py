@@ -1,5 +1,5 @@
 """Expert tiers with real bytes: device slab, pinned host slab, disk files with a manifest."""
 from .layout import Manifest, StoreWriter
-from .store import ChecksumError, ExpertStore, Fetch
+from .store import ChecksumError, ExpertLoadError, ExpertStore, Fetch
 
-__all__ = ["Manifest", "StoreWriter", "ChecksumError", "ExpertStore", "Fetch"]
+__all__ = ["Manifest", "StoreWriter", "ChecksumError", "ExpertLoadError", "ExpertStore", "Fetch"]

@@ -34,6 +34,11 @@ class ChecksumError(RuntimeError):
     pass
 
 
+class ExpertLoadError(RuntimeError):
+    """An expert could not be loaded (read twice, corrupt both times). The expert is dropped from
+    every tier, so a later request reads it again instead of computing with bad bytes."""
+
+
 class Slab:
     """``n`` fixed slots of ``stride`` bytes in one allocation; slot addresses 4 KiB aligned on
     the host so O_DIRECT reads can land in them."""
@@ -111,6 +116,8 @@ class StoreStats:
     stall_seconds: float = 0.0
     requests: int = 0
     waves: int = 0   # extra waves: layers whose experts did not fit the device tier at once
+    reread: int = 0  # blobs read a second time after a checksum error
+    load_errors: int = 0
     layer_hits: list = field(default_factory=list)   # [layer] -> [device, host, disk] accesses served there
 
 
@@ -143,8 +150,13 @@ class Fetch:
         fut = self.pending.get(expert)
         if fut is not None:
             t0 = time.perf_counter()
-            fut.result()
-            self.store.stats.stall_seconds += time.perf_counter() - t0
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - any failed load: the expert must not stay "resident"
+                self.store.invalidate(self.layer * self.store.m.num_experts + expert)
+                raise ExpertLoadError(f"layer {self.layer} expert {expert}: {e}") from None
+            finally:
+                self.store.stats.stall_seconds += time.perf_counter() - t0
         return self.store._views(self.layer * self.store.m.num_experts + expert)
 
     def wait(self) -> None:
@@ -246,7 +258,12 @@ class ExpertStore:
         E = self.m.num_experts
         hslot = self.host.slot_of[key]
         if from_disk:
-            self.disk.read_into(key // E, key % E, self.host.data[hslot].numpy(), self.verify)
+            dst_host = self.host.data[hslot].numpy()
+            try:
+                self.disk.read_into(key // E, key % E, dst_host, self.verify)
+            except ChecksumError:   # a transient bad read (or a page cache hiccup): read it once more
+                self.stats.reread += 1
+                self.disk.read_into(key // E, key % E, dst_host, self.verify)
         dst = self.dev.data[self.dev.slot_of[key]]
         if self.copy_stream is not None:
             if after is not None:
@@ -326,7 +343,11 @@ class ExpertStore:
                 pending[e] = fut
             elif fut is not None:
                 self.inflight.pop(k, None)
-                fut.result()   # surfaces a checksum error of a finished prefetch
+                try:
+                    fut.result()   # surfaces a checksum error of a finished prefetch
+                except Exception as ex:  # noqa: BLE001
+                    self.invalidate(k)
+                    raise ExpertLoadError(f"layer {layer} expert {e}: {ex}") from None
         return Fetch(self, layer, experts, pending)
 
     def prefetch(self, layer: int, experts, t: int, protect: "list[int] | None" = None) -> int:
@@ -340,6 +361,26 @@ class ExpertStore:
         self._apply(d, self.prefetch_pool)
         self.stats.prefetch_loaded += len(d["loaded"])
         return len(d["loaded"])
+
+    def invalidate(self, key: int) -> None:
+        """Drop an expert whose load failed from every tier (placement and slots)."""
+        E = self.m.num_experts
+        layer = key // E
+        fut = self.inflight.pop(key, None)
+        if fut is not None:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the failure is being reported by the caller
+                pass
+        self.stats.load_errors += 1
+        pl = self.placement
+        pl.pending.discard(key)
+        if key in self.dev.slot_of:
+            self.dev.release(key)
+        pl.device[layer].remove(key)
+        if pl.host is not None and key in self.host.slot_of:
+            self.host.release(key)
+            pl.host[layer].remove(key)
 
     def end_step(self) -> None:
         for p in self.placement.unique_pools("device"):
@@ -372,7 +413,7 @@ class ExpertStore:
                 "resident_bytes": res, "capacity_bytes": cap,
                 "resident_experts": {k: v // stride for k, v in res.items()},
                 "capacity_experts": {k: v // stride for k, v in cap.items()},
-                "stall_seconds": st.stall_seconds, "waves": st.waves}
+                "stall_seconds": st.stall_seconds, "waves": st.waves, "reread": st.reread, "load_errors": st.load_errors}
 
     def close(self) -> None:
         if self.closed:
