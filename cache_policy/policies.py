@@ -26,6 +26,7 @@ _EMPTY: tuple = ()
 
 class EvictionPolicy:
     name = "base"
+    needs_trace = False   # static (a profile) and belady (the future) cannot run on a live store
     wants: "str | None" = None
     clears_each_step = False
     # Optional whole-group fast path: group_access(pool, keys, t) -> (n_hits, evicted), used when
@@ -290,6 +291,7 @@ class Static(_ScoreHeap):
     """
 
     name = "static"
+    needs_trace = True
 
     def __init__(self, profile: dict) -> None:
         super().__init__()
@@ -318,6 +320,7 @@ class Belady(_ScoreHeap):
     key's next-use group index; prefetched keys (no aux) ask ``next_use_fn``."""
 
     name = "belady"
+    needs_trace = True
     wants = "next_use"
 
     def __init__(self, next_use_fn: "Callable[[int], float] | None" = None) -> None:
@@ -365,10 +368,16 @@ class NoCache(EvictionPolicy):
         self.keys.pop(key, None)
 
 
-POLICIES = {"lru": LRU, "lfu": LFU, "freq": Freq, "static": Static, "belady": Belady, "none": NoCache}
+# The registry: a policy is one entry here (and its class); the live store, the server's config,
+# the CLI and replay all read it.
+POLICIES = {c.name: c for c in (LRU, LFU, Freq, Static, Belady, NoCache)}
+LIVE_POLICIES = tuple(n for n, c in POLICIES.items() if not c.needs_trace)
 
 
-def check_policy_name(name: str) -> str:
+def check_policy_name(name: str, live: bool = False) -> str:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if live and POLICIES[name].needs_trace:
+        raise ValueError(f"policy {name!r} needs a trace (a profile or the future); a live store takes "
+                         f"{', '.join(LIVE_POLICIES)}")
     return name

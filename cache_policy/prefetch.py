@@ -179,6 +179,9 @@ class OraclePrefetcher(Prefetcher):
 
 
 PREFETCHERS = ("none", "freq", "transition", "lookahead", "oracle")
+# What the live engine runs: oracle needs the future; lookahead runs the next layer's gate on the
+# live hidden state (replay has no hidden state, so it is live-only).
+LIVE_PREFETCHERS = ("none", "freq", "transition", "lookahead")
 
 
 def make_prefetcher(name: str, *, num_layers: int, num_experts: int, fit_trace=None,

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cache_policy.prefetch import LIVE_PREFETCHERS
+
 from ..model.moe import Sequence, route
 
 
@@ -149,8 +151,8 @@ class Engine:
         if prefetch in ("freq", "transition"):
             from cache_policy.prefetch import make_prefetcher
             self._pf = make_prefetcher(prefetch, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts)
-        elif prefetch not in ("none", "lookahead"):
-            raise ValueError(f"unknown prefetch {prefetch!r}; the live engine takes none, freq, transition or lookahead")
+        elif prefetch not in LIVE_PREFETCHERS:
+            raise ValueError(f"unknown prefetch {prefetch!r}; the live engine takes {', '.join(LIVE_PREFETCHERS)}")
         model.record = self._record
         model.prefetch_hook = self._after_moe if prefetch != "none" else None
         self._step_routing: list = []
@@ -272,6 +274,8 @@ class Engine:
             msg = f"{type(e).__name__}: {e}"
             out = [self._fail(r, msg) for r in batch]
             self._pred.clear()
+            if hasattr(self.store, "recover"):
+                self.store.recover()       # no expert whose load failed stays resident
             self.store.end_step()
             self._record_step(before, chunks, [], t0, failed=len(batch))
             return out

@@ -333,9 +333,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if getattr(self, "command", None) != "HEAD":
-            self.wfile.write(data)
+        # Headers and body in one write (one segment for small responses).
+        self._headers_buffer.append(b"\r\n")
+        head = b"".join(self._headers_buffer)
+        self._headers_buffer = []
+        self.wfile.write(head + (b"" if getattr(self, "command", None) == "HEAD" else data))
 
     def _error(self, e: ApiError) -> None:
         self._send(e.status, e.body())
@@ -477,11 +479,13 @@ class _Handler(BaseHTTPRequestHandler):
         """Yields (delta, finish_reason or None) as tokens arrive."""
         a = self.app
         while True:
+            if not state.get("streaming") and time.monotonic() - state.get("checked", 0.0) > 0.25:
+                state["checked"] = time.monotonic()
+                if self._client_gone():
+                    raise _ClientGone()        # nobody will read the answer: the caller aborts it
             try:
                 kind, payload, when = q.get(timeout=0.25)
             except queue.Empty:
-                if not state.get("streaming") and self._client_gone():
-                    raise _ClientGone()        # nobody will read the answer: the caller aborts it
                 continue
             if kind == "rejected":
                 raise ApiError(400, payload)

@@ -82,6 +82,26 @@ class EngineClient:
             self.metrics.engine_up.set(1)
         return info
 
+    def _handshake(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.pull.poll(200):
+                msg = decode(self.pull.recv())
+                if msg["type"] == "ready":
+                    return msg
+                if msg["type"] == "error":
+                    self.proc.wait(10)
+                    raise EngineError(f"the engine failed to start: {msg['message']}")
+                continue      # a step message of an engine that died before this one started
+            if self.proc.poll() is not None:
+                raise EngineError(f"the engine process exited (code {self.proc.returncode}) before it was ready")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise EngineError(f"the engine did not report ready within {timeout:.0f} s")
+            if self._stop.is_set():
+                self._kill()
+                raise EngineError("the server is shutting down")
+
     # -- requests ------------------------------------------------------------------------------
     def submit(self, rid: str, prompt: list, params: dict) -> "queue.Queue":
         if not self.alive and not self._stop.is_set():

@@ -37,12 +37,14 @@ class EngineConfig:
         if not os.path.isfile(os.path.join(self.model, "manifest.json")):
             raise ValueError(f"--model {self.model!r}: not a store directory (no manifest.json); "
                              f"run 'tiered-moe convert' first")
-        if self.policy not in ("lru", "lfu", "freq", "none"):
-            raise ValueError(f"--policy {self.policy!r}: use lru, lfu, freq or none")
+        from cache_policy.policies import LIVE_POLICIES
+        from cache_policy.prefetch import LIVE_PREFETCHERS
+        if self.policy not in LIVE_POLICIES:
+            raise ValueError(f"--policy {self.policy!r}: use {', '.join(LIVE_POLICIES)}")
         if self.scope not in ("layer", "global"):
             raise ValueError(f"--scope {self.scope!r}: use layer or global")
-        if self.prefetch not in ("none", "freq", "transition", "lookahead"):
-            raise ValueError(f"--prefetch {self.prefetch!r}: use none, freq, transition or lookahead")
+        if self.prefetch not in LIVE_PREFETCHERS:
+            raise ValueError(f"--prefetch {self.prefetch!r}: use {', '.join(LIVE_PREFETCHERS)}")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("--max-batch and --prefill-chunk must be at least 1")
         if not self.cache_bonus >= 0:

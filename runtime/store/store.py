@@ -25,7 +25,7 @@ import torch
 
 from cache_policy.keys import SCOPES
 from cache_policy.placement import TieredPlacement
-from cache_policy.policies import LFU, LRU, Freq, NoCache, check_policy_name
+from cache_policy.policies import LRU, POLICIES, check_policy_name
 
 from .layout import ALIGN, Manifest, _DTYPES
 
@@ -170,10 +170,7 @@ class ExpertStore:
                  min_experts_per_layer: int = 1, threads: int = 4, verify: bool = True,
                  max_inflight_prefetch: int = 64, direct_io: bool = True, progress: bool = False) -> None:
         self.m = m = Manifest.read(store_dir)
-        check_policy_name(policy)
-        if policy in ("static", "belady"):
-            raise ValueError(f"policy {policy!r} needs a trace (profile or future); the live store takes "
-                             f"lru, lfu, freq or none")
+        check_policy_name(policy, live=True)
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -198,7 +195,7 @@ class ExpertStore:
                                  f"{dev_slots * stride * (L if scope == 'layer' else 1):,} bytes")
             if host_slots >= (E if scope == "layer" else L * E):
                 host_slots = None
-        factory = {"lru": LRU, "lfu": LFU, "freq": Freq, "none": NoCache}[policy]
+        factory = POLICIES[policy]
         self.placement = TieredPlacement(num_layers=L, num_experts=E, scope=scope, device_slots=dev_slots,
                                          host_slots=host_slots, policy_factory=factory,
                                          host_policy_factory=LRU if policy == "none" else factory)
@@ -301,9 +298,27 @@ class ExpertStore:
         return started
 
     def _settle(self, key: int) -> None:
+        """Wait for a load into ``key``'s slot before the slot is reused (its expert is leaving, so
+        a failed load does not matter here)."""
         fut = self.inflight.pop(key, None)
         if fut is not None:
-            fut.result()
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def recover(self) -> list:
+        """After a failed step: wait for every load in flight and drop the experts whose load
+        failed, so none stays "resident" with bad bytes. Returns their keys."""
+        bad = []
+        for k, fut in list(self.inflight.items()):
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001
+                bad.append(k)
+        for k in bad:
+            self.invalidate(k)
+        return bad
 
     # -- API -----------------------------------------------------------------------------------
     def request(self, layer: int, experts, t: int) -> Fetch:

@@ -9,7 +9,7 @@ import torch
 from cache_policy.replay import ReplayConfig, replay_batch
 from cache_policy.traces import Trace
 from runtime.quant import WeightSpec
-from runtime.store import ChecksumError, ExpertStore, Manifest, StoreWriter
+from runtime.store import ChecksumError, ExpertLoadError, ExpertStore, Manifest, StoreWriter
 
 L, E, H, I = 3, 8, 16, 24
 
@@ -115,8 +115,20 @@ def test_corrupt_blob_names_layer_and_expert(store_dir):
         ExpertStore(store_dir, device_budget=4 * m.blob_stride)
     st = ExpertStore(store_dir, device_budget=4 * m.blob_stride, host_budget=6 * m.blob_stride)
     try:
-        with pytest.raises(ChecksumError, match="checksum mismatch for layer 2 expert 5"):
+        with pytest.raises(ExpertLoadError, match="layer 2 expert 5: .*checksum mismatch for layer 2 expert 5"):
             st.request(2, [5], 0).wait()
+        assert st.stats.reread == 1 and st.stats.load_errors == 1       # read twice, then given up
+        # dropped from every tier: the next request reads it again (and fails again) - never a "hit" on bad bytes
+        assert 2 * m.num_experts + 5 not in st.dev.slot_of and 5 not in st.resident(2)
+        with pytest.raises(ExpertLoadError):
+            st.request(2, [5], 1).wait()
+        assert st.stats.hits["device"] == 0
+        # repaired on disk: read afresh, correct bytes
+        with open(path, "r+b") as f:
+            f.seek(5 * m.blob_stride + 100)
+            f.write(b)
+        f = st.request(2, [5], 2)
+        assert torch.equal(logical(f.tensors(5))["gate"], expert_tensors(2, 5)["gate"])
     finally:
         st.close()
 

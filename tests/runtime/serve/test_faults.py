@@ -1,0 +1,245 @@
+"""Fault injection: nothing a client sends, and no single failure in the engine, takes the server
+down. Each case asserts the server survives and the next normal request succeeds. Loopback only,
+bounded in count and time."""
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+
+import pytest
+from servehelp import KEY
+
+from test_server import client, metric, raw  # noqa: E402  (same folder)
+
+
+def metric0(srv, name, labels=None):
+    """A counter's value, 0 before its first increment (a labelled counter has no sample yet)."""
+    try:
+        return metric(srv, name, labels)
+    except AssertionError:
+        return 0.0
+
+
+def ok(srv, key=KEY, n=3):
+    """A normal request succeeds."""
+    r = client(srv, key=key).completions.create(model=srv.model_name, prompt="still there?", max_tokens=n, temperature=0)
+    assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+
+
+def wait_health(srv, status, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if raw(srv, "GET", "/health", key=None)[0] == status:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"/health never answered {status}")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": 1e-300}, None), ({"top_p": 1e-300, "temperature": 1.0}, None), ({"temperature": 1e-46}, None),
+    ({"top_p": 1e-46, "temperature": 0.7, "top_k": 3}, None),
+])
+def test_extreme_sampling_values_are_served(server, body, param):
+    """vLLM's rule: temperatures below 1e-5 are greedy; a tiny top_p keeps the most likely token."""
+    before = metric(server, "tiered_moe_engine_restarts_total")
+    st, data = raw(server, "POST", "/v1/completions", {"model": server.model_name, "prompt": "abc", "max_tokens": 4, **body})
+    assert st == 200, data
+    assert json.loads(data)["usage"]["completion_tokens"] == 4
+    assert metric(server, "tiered_moe_engine_restarts_total") == before
+    ok(server)
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ({"prompt": "abc", "top_k": 2 ** 64}, 400, "top_k' must fit in a signed 64-bit"),
+    ({"prompt": "abc", "seed": 2 ** 64}, 400, "seed' must fit in a signed 64-bit"),
+    ({"prompt": "abc", "seed": -2 ** 70}, 400, "seed' must fit"),
+    ({"prompt": "abc \ud800 def"}, 400, "not valid Unicode"),
+    ({"prompt": "abc", "temperature": float("nan")}, 400, "temperature"),
+    ({"prompt": "x" * 2_000_000}, 400, "more than this model's context"),
+])
+def test_hostile_values_get_400_and_the_server_goes_on(server, body, status, match):
+    raw_body = json.dumps({"model": server.model_name, "max_tokens": 2, **body}, allow_nan=True)
+    st, data = raw(server, "POST", "/v1/completions", raw_body)
+    assert st == status and match in json.loads(data)["error"]["message"], data
+    ok(server)
+
+
+def test_malformed_http_gets_json_errors(server):
+    deep = "[" * 100_000 + "]" * 100_000
+    st, data = raw(server, "POST", "/v1/completions", deep)
+    assert st == 400 and "nests too deeply" in json.loads(data)["error"]["message"]
+    for method in ("PUT", "DELETE", "PATCH"):
+        st, data = raw(server, method, "/v1/completions", b"{}")
+        assert st == 405 and json.loads(data)["error"]["message"].startswith(method)
+    s = socket.create_connection((server.host, server.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+              b"\r\nContent-Length: -1\r\n\r\n")
+    resp = b""
+    while b"bad Content-Length" not in resp:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        resp += chunk
+    resp = resp.decode()
+    s.close()
+    assert resp.startswith("HTTP/1.1 400") and "bad Content-Length" in resp
+    st, data = raw(server, "GET", "/nope")
+    assert st == 404 and json.loads(data)["error"]["type"] == "invalid_request_error"
+    st, data = raw(server, "BREW", "/health")
+    assert st in (404, 405, 501) and "error" in json.loads(data)
+    c = __import__("http.client").client.HTTPConnection(server.host, server.port, timeout=10)
+    c.request("GET", "/health")
+    r = c.getresponse()
+    r.read()
+    assert r.getheader("Server") == "tiered-moe"            # no Python version
+    ok(server)
+
+
+def test_max_tokens_with_null_max_completion_tokens(server):
+    r = client(server).chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5, extra_body={"max_completion_tokens": None},
+                                               temperature=0)
+    assert r.usage.completion_tokens <= 5
+
+
+def test_keep_alive_requests_are_not_delayed(server):
+    """Nagle + delayed ACK cost ~40 ms per keep-alive request when headers and body went out in
+    two small writes; with TCP_NODELAY a cheap request takes a few ms."""
+    import http.client
+    c = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/completions", body=json.dumps({"model": server.model_name, "prompt": [1], "max_tokens": 1}),
+                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        r = c.getresponse()
+        r.read()
+        assert r.status == 200
+        times.append(time.perf_counter() - t0)
+    c.close()
+    times.sort()
+    assert times[len(times) // 2] < 0.035, times
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(server):
+    before = metric0(server, "tiered_moe_requests_total", {"finish_reason": "abort"})
+    s = socket.create_connection((server.host, server.port), timeout=10)
+    body = json.dumps({"model": server.model_name, "prompt": "long", "max_tokens": 3000, "temperature": 0}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+              b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(0.5)
+    s.close()
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(server, "tiered_moe_requests_running") > 0:
+        time.sleep(0.2)
+    assert metric(server, "tiered_moe_requests_running") == 0
+    assert metric(server, "tiered_moe_requests_total", {"finish_reason": "abort"}) >= before + 1
+    ok(server)
+
+
+def start(tiny_store, **kw):
+    from runtime.serve.api import Server
+    from runtime.serve.engine_proc import EngineConfig
+    cfg = kw.pop("cfg", {})
+    return Server(EngineConfig(model=kw.pop("model", tiny_store[1]), **cfg), port=0, **kw).start()
+
+
+def test_slow_header_client_does_not_block_others_and_times_out(tiny_store):
+    srv = start(tiny_store, timeout=2.0)
+    try:
+        slow = socket.create_connection((srv.host, srv.port), timeout=10)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")   # ... and nothing more
+        ok(srv, key="no-key-needed")
+        t0 = time.time()
+        slow.settimeout(10)
+        rest = slow.recv(65536)
+        while rest:
+            rest = slow.recv(65536)
+        assert time.time() - t0 < 8                   # the server closed it after its 2 s timeout
+        slow.close()
+        ok(srv, key="no-key-needed")
+    finally:
+        srv.close()
+
+
+def test_killed_engine_is_restarted_and_serves_again(tiny_store):
+    """kill -9 mid-stream: that stream ends with an error event, the supervisor restarts the
+    engine, requests sent meanwhile wait for it, later requests succeed."""
+    srv = start(tiny_store)
+    tmp = srv.engine.tmp
+    try:
+        stream = client(srv, key="no-key-needed").completions.create(model=srv.model_name, prompt="go", max_tokens=3000,
+                                                           temperature=0, stream=True)
+        got = []
+        err = None
+        try:
+            for i, ch in enumerate(stream):
+                got.append(ch)
+                if i == 3:
+                    os.kill(srv.engine.proc.pid, signal.SIGKILL)
+        except Exception as e:  # noqa: BLE001 - the client raises the error event
+            err = e
+        assert err is not None and "engine" in str(err)
+        ok(srv, key="no-key-needed")                               # waits for the restart, then succeeds
+        wait_health(srv, 200)
+        assert metric(srv, "tiered_moe_engine_restarts_total") == 1
+        assert metric(srv, "tiered_moe_engine_up") == 1
+        assert json.loads(raw(srv, "GET", "/health", key=None)[1])["restarts"] == 1
+    finally:
+        srv.close()
+    assert srv.engine.proc.poll() is not None and not os.path.exists(tmp)
+
+
+def test_hung_engine_is_killed_and_restarted(tiny_store):
+    srv = start(tiny_store, heartbeat_timeout=2.0)
+    try:
+        pid = srv.engine.proc.pid
+        os.kill(pid, signal.SIGSTOP)                    # alive but silent
+        wait_health(srv, 503, timeout=20)
+        assert "stopped answering" in json.loads(raw(srv, "GET", "/health", key=None)[1])["last_exit"]
+        ok(srv, key="no-key-needed")
+        assert srv.engine.proc.pid != pid and metric(srv, "tiered_moe_engine_restarts_total") == 1
+    finally:
+        srv.close()
+
+
+def test_corrupt_blob_at_run_time_fails_one_request_then_is_read_again(tiny_store, tmp_path):
+    """A host tier that does not hold every expert: blobs are read from disk while serving. A
+    corrupt one fails the requests of that step (500 naming layer and expert), is read again once
+    first, and is dropped from the tiers - once the file is repaired the next request reads it
+    afresh and succeeds."""
+    from runtime.store import Manifest
+    store = str(tmp_path / "store")
+    shutil.copytree(tiny_store[1], store)
+    m = Manifest.read(store)
+    path = os.path.join(store, m.layer_file(0))
+    good = open(path, "rb").read()
+    bad = bytearray(good)
+    for e in range(m.num_experts):                      # every expert of layer 0: any prompt needs one
+        bad[e * m.blob_stride + 100] ^= 0xFF
+    srv = start(tiny_store, model=store, cfg=dict(expert_budget=4 * m.blob_stride, host_budget=6 * m.blob_stride,
+                                                  max_batch=2, prefill_chunk=2))
+    try:
+        with open(path, "wb") as f:
+            f.write(bad)
+        st, data = raw(srv, "POST", "/v1/completions", {"model": srv.model_name, "prompt": "zz qq", "max_tokens": 4,
+                                                        "temperature": 0}, key=None)
+        err = json.loads(data)["error"]
+        assert st == 500 and err["code"] == "engine_error" and "checksum mismatch for layer 0 expert" in err["message"]
+        assert raw(srv, "GET", "/health", key=None)[0] == 200
+        assert metric(srv, "tiered_moe_engine_restarts_total") == 0
+        with open(path, "wb") as f:
+            f.write(good)
+        ok(srv, key="no-key-needed")
+    finally:
+        srv.close()
+
+
+def test_budget_that_cannot_run_one_step_is_refused_at_start(tiny_store):
+    from runtime.serve.client import EngineError
+    from runtime.store import Manifest
+    m = Manifest.read(tiny_store[1])
+    with pytest.raises(EngineError, match="lower --max-batch to 1"):
+        start(tiny_store, cfg=dict(expert_budget=3 * m.blob_stride, host_budget=4 * m.blob_stride, max_batch=8))
