@@ -374,7 +374,10 @@ def _add_schedule(p) -> None:
 def _add_tier_args(p) -> None:
     p.add_argument("--device-budget", help="device memory for dense weights + KV cache + experts, e.g. 4GiB "
                                            "(default: everything fits)")
-    p.add_argument("--kv-cache-budget", default="0B", help="device memory reserved for the KV cache")
+    p.add_argument("--kv-cache-budget", default="0B",
+                   help="memory of the KV cache, preallocated in blocks of 16 tokens; requests are admitted by free "
+                        "blocks and preempted (recomputed later) when out (default 0: --max-batch sequences of 1024 "
+                        "tokens, at least one whole context up to 8192)")
     p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
     p.add_argument("--policy", default="lru", help="lru, lfu, freq or none")
     p.add_argument("--scope", default="global", help="layer or global")

@@ -101,6 +101,8 @@ class Request:
     routing: list = field(default_factory=list)   # per step: [fed tokens, moe layers, k] expert ids
     last_step: int = -1                           # the last step this request ran in
     error: "str | None" = None                    # why it failed (finish_reason "error")
+    recompute: "list | None" = None               # after a preemption: prompt + output[:-1], fed again
+    preemptions: int = 0
 
 
 @dataclass
@@ -160,6 +162,13 @@ class Engine:
         # holds every expert. Without one, a step may feed at most cap // top_k tokens (so no layer
         # can need more experts than the device holds); start-up refuses a tier too small for one
         # decode step of max_batch sequences.
+        # The KV cache: preallocated blocks (load_model's kv_cache_bytes, else max_batch sequences of
+        # 1024 tokens, and at least one sequence of the whole context up to 8192); admission by free
+        # blocks, preemption when out. Its memory is fixed from here on.
+        if model.kv is None:
+            tokens = max(max_batch * min(self.max_context, 1024), min(self.max_context, 8192))
+            model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token())
+        self.preemptions = 0
         self.step_tokens = None
         cap = store.placement.device[0].capacity
         if not getattr(store, "_host_holds_all", True) and cap < cfg.num_experts:
@@ -184,6 +193,11 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_context:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"of {self.max_context} tokens")
+        kv = self.model.kv
+        if kv.blocks_for(len(prompt) + params.max_tokens) > kv.num_blocks:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
+                             f"{kv.blocks_for(len(prompt) + params.max_tokens)} KV blocks of {kv.block_size} tokens; "
+                             f"the KV cache budget holds {kv.num_blocks}")
         r = Request(id=self._next_id, prompt=[int(t) for t in prompt], params=params, arrival=time.perf_counter())
         if params.seed is not None:
             r.gen = torch.Generator().manual_seed(params.seed)
@@ -230,6 +244,22 @@ class Engine:
         self.store.prefetch(nxt, pred, self._step_no)
 
     # -- the step ------------------------------------------------------------------------------
+    @staticmethod
+    def _decoding(r: Request) -> bool:
+        return r.recompute is None and r.fed >= len(r.prompt)
+
+    def _preempt(self, r: Request) -> None:
+        """Free a running request's KV blocks; it waits at the head of the queue and is fed again
+        (prompt + what it generated so far, without sampling) when blocks are free."""
+        self.running.remove(r)
+        self.model.release(r.seq)
+        r.seq = Sequence()
+        r.fed = 0
+        r.recompute = (r.prompt + r.output[:-1]) if r.output else None
+        r.preemptions += 1
+        self.preemptions += 1
+        self.waiting.insert(0, r)
+
     def _fail(self, r: Request, message: str) -> StepOutput:
         """End one request with an error; its slots are freed, the engine goes on."""
         if r in self.running:
@@ -244,26 +274,52 @@ class Engine:
         error while executing the step fails that step's requests (their slots are freed) and
         nobody else's."""
         t0 = time.perf_counter()
+        kv = self.model.kv
+        # Admission by free KV blocks: a waiting request joins when its whole (re)prefill fits now.
+        free = kv.free_blocks
         while self.waiting and len(self.running) < self.max_active:
+            r = self.waiting[0]
+            need = kv.blocks_for(len(r.recompute or r.prompt) + 1)
+            if need > free and self.running:
+                break
+            free -= need                  # promised to this request, allocated chunk by chunk
             self.running.append(self.waiting.pop(0))
         if not self.running:
             return []
         batch = self._choose() if len(self.running) > self.max_batch else list(self.running)
         chunks = []
-        budget = None if self.step_tokens is None else self.step_tokens - sum(r.fed >= len(r.prompt) for r in batch)
+        budget = None if self.step_tokens is None else self.step_tokens - sum(self._decoding(r) for r in batch)
         fed = []
         for r in batch:
-            if r.fed < len(r.prompt):
+            if r not in self.running:
+                continue              # preempted below for an earlier request of this step
+            if not self._decoding(r):
+                src = r.recompute if r.recompute is not None else r.prompt
                 n = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
                 if n <= 0:
                     continue          # no room left in this step's token budget: next step
-                chunks.append(r.prompt[r.fed:r.fed + n])
-                if budget is not None:
-                    budget -= len(chunks[-1])
+                chunk = src[r.fed:r.fed + n]
             else:
-                chunks.append([r.output[-1]])
+                chunk = [r.output[-1]]
+            # KV blocks for this chunk; when none are free, preempt the newest running request
+            # (vLLM's recompute: its blocks are freed, it is fed again later) - possibly this one.
+            while not kv.ensure(r.seq, r.seq.length + len(chunk)):
+                victim = max(self.running, key=lambda x: x.arrival)
+                self._preempt(victim)
+                if victim in fed:          # already given a chunk this step: take it back
+                    j = fed.index(victim)
+                    del fed[j], chunks[j]
+                if victim is r:
+                    break
+            if r not in self.running:
+                continue
+            if budget is not None and not self._decoding(r):
+                budget -= len(chunk)
+            chunks.append(chunk)
             fed.append(r)
         batch = fed
+        if not batch:
+            return []
         st = self.store.stats
         before = (dict(st.hits), dict(st.bytes), st.stall_seconds)
         self._step_routing = []
@@ -294,6 +350,12 @@ class Engine:
         failed = 0
         now = time.perf_counter()
         for r, c, lg in zip(batch, chunks, logits):
+            if r.recompute is not None:
+                r.fed += len(c)
+                if r.fed >= len(r.recompute):       # context rebuilt: decoding resumes with output[-1]
+                    r.recompute, r.fed = None, len(r.prompt)
+                out.append(StepOutput(r.id, None))
+                continue
             if r.fed < len(r.prompt):
                 r.fed += len(c)
                 if r.fed < len(r.prompt):

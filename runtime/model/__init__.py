@@ -45,7 +45,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     store = ExpertStore(store_dir, device_budget=expert_budget, host_budget=host_budget, policy=policy, scope=scope,
                         device=device, min_experts_per_layer=cfg.top_k, progress=progress)
     dtype = dense["model.embed_tokens.weight"].dtype
-    return MoEModel(cfg, dense, store, device=store.device, dtype=dtype), store
+    return MoEModel(cfg, dense, store, device=store.device, dtype=dtype, kv_bytes=kv_cache_bytes or None), store
 
 
 __all__ = ["SUPPORTED", "MoEConfig", "MoEModel", "Sequence", "route", "load_model"]

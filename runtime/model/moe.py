@@ -8,7 +8,7 @@ expert, embeddings) stay in memory.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -111,59 +111,77 @@ def mla_softmax_scale(cfg: MoEConfig) -> float:
 
 @dataclass
 class Sequence:
-    """One sequence: tokens fed so far and its slot in the model's KV arena (None until it runs)."""
+    """One sequence: tokens fed so far and the KV blocks it owns (none until it runs)."""
 
     length: int = 0
-    slot: "int | None" = None
-
-
-class KVArena:
-    """The KV cache of every running sequence: k and v as [layers, slots, kv_heads, capacity,
-    head_dim], preallocated and grown by doubling, so a decode step appends all sequences'
-    keys with one indexed write per layer and attends in one batched product."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, with_v: bool = True) -> None:
-        self.shape = (layers, kv_heads, head_dim)
-        self.dtype, self.device, self.with_v = dtype, device, with_v
-        self.k = torch.zeros(layers, 0, kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.v = self.k.clone() if with_v else None
-        self.free: list = []
+    blocks: list = field(default_factory=list)
+    slot_ids: "torch.Tensor | None" = None     # token slot of each position its blocks cover
 
     @property
-    def slots(self) -> int:
-        return self.k.shape[1]
+    def slot(self):            # "holds KV" (kept for callers that asked for a slot)
+        return self.blocks or None
+
+
+class KVFull(RuntimeError):
+    """The KV cache has no free block for a sequence (the engine preempts or refuses first)."""
+
+
+class PagedKV:
+    """The KV cache as fixed-size blocks preallocated from a byte budget (vLLM's paged layout):
+    k and v are [layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of
+    blocks and its positions map to slots through them. Memory never grows after construction;
+    ``ensure`` says whether a sequence can have room for more tokens, so the scheduler admits
+    requests by free blocks and preempts when out. MLA caches one "head" (latent + rotary key)
+    and no v."""
+
+    def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
+                 with_v: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.block_size, self.num_blocks, self.with_v = block_size, num_blocks, with_v
+        T = num_blocks * block_size
+        self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
+        self.v = torch.zeros_like(self.k) if with_v else None
+        self.free: list = list(range(num_blocks - 1, -1, -1))
+        self.device = device
+
+    @staticmethod
+    def bytes_per_token(layers: int, heads: int, dim: int, dtype, with_v: bool = True) -> int:
+        return layers * heads * dim * torch.tensor([], dtype=dtype).element_size() * (2 if with_v else 1)
 
     @property
-    def capacity(self) -> int:
-        return self.k.shape[3]
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
 
-    def _resize(self, slots: int, cap: int) -> None:
-        L, kv, hd = self.shape
-        k = torch.zeros(L, slots, kv, cap, hd, dtype=self.dtype, device=self.device)
-        k[:, : self.slots, :, : self.capacity] = self.k
-        if self.with_v:
-            v = torch.zeros_like(k)
-            v[:, : self.slots, :, : self.capacity] = self.v
-            self.v = v
-        self.k = k
+    @property
+    def free_blocks(self) -> int:
+        return len(self.free)
 
-    def alloc(self) -> int:
-        if not self.free:
-            old = self.slots
-            self._resize(max(4, 2 * old), max(self.capacity, 16))
-            self.free = list(range(self.slots - 1, old - 1, -1))
-        return self.free.pop()
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
+    def ensure(self, seq: Sequence, tokens: int) -> bool:
+        """Give ``seq`` blocks for ``tokens`` positions; False (and nothing taken) if too few are free."""
+        need = self.blocks_for(tokens) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        new = [self.free.pop() for _ in range(need)]
+        seq.blocks.extend(new)
+        bs = self.block_size
+        ids = (torch.tensor(new, dtype=torch.long)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(self.device)
+        seq.slot_ids = ids if seq.slot_ids is None else torch.cat([seq.slot_ids, ids])
+        return True
 
-    def reserve(self, cap: int) -> None:
-        if cap > self.capacity:
-            self._resize(self.slots, max(cap, 2 * self.capacity))
+    def release(self, seq: Sequence) -> None:
+        self.free.extend(reversed(seq.blocks))
+        seq.blocks, seq.slot_ids = [], None
 
 
 class MoEModel:
-    def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32) -> None:
+    def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32,
+                 kv_bytes: "int | None" = None) -> None:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.cache_bonus = 0.0   # cache-aware routing: added to resident experts' router logits
         self.sliding = set(cfg.sliding_layers) if cfg.sliding_window else set()
@@ -183,21 +201,46 @@ class MoEModel:
         self.codec = ExpertCodec(experts.m.weights, dtype, device)
         w = self.w
         self.qkv_w, self.qkv_b = [], []
+        self.kv = None            # PagedKV, made by init_kv (the engine sizes it; else on first use)
+        self.kv_bytes = kv_bytes
         if cfg.attention == "mla":
-            # MLA caches the compressed latent (kv_lora_rank) and the shared rotary key per token.
-            self.kv = KVArena(cfg.num_layers, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, device, with_v=False)
             return
-        self.kv = KVArena(cfg.num_layers, cfg.num_kv_heads, hd, dtype, device)
+
         for i in range(cfg.num_layers):   # concatenated copies replace q, k, v: one copy in memory
             self.qkv_w.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.weight")) for n in "qkv"]))
             self.qkv_b.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.bias")) for n in "qkv"])
                               if cfg.qkv_bias else None)
 
+    # -- the KV cache ----------------------------------------------------------------------------
+    def kv_shape(self) -> tuple:
+        """(heads, dim, with_v) of one token of one layer's cache. MLA caches the compressed latent
+        (kv_lora_rank) and the shared rotary key per token."""
+        cfg = self.cfg
+        if cfg.attention == "mla":
+            return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
+        return cfg.num_kv_heads, cfg.head_dim, True
+
+    def kv_bytes_per_token(self) -> int:
+        h, d, v = self.kv_shape()
+        return PagedKV.bytes_per_token(self.cfg.num_layers, h, d, self.dtype, v)
+
+    def init_kv(self, nbytes: "int | None" = None, block_size: int = 16) -> PagedKV:
+        """Preallocate the KV cache: ``nbytes`` (else the model's kv_bytes, else room for 16
+        sequences of up to 4096 tokens) in blocks of ``block_size`` tokens."""
+        nbytes = nbytes or self.kv_bytes or 16 * min(self.cfg.max_position_embeddings, 4096) * self.kv_bytes_per_token()
+        blocks = int(nbytes // (self.kv_bytes_per_token() * block_size))
+        if blocks < 1:
+            raise ValueError(f"KV cache budget {nbytes:,} bytes is smaller than one block of {block_size} tokens "
+                             f"({self.kv_bytes_per_token() * block_size:,} bytes)")
+        h, d, v = self.kv_shape()
+        self.kv = PagedKV(self.cfg.num_layers, h, d, self.dtype, self.device, num_blocks=blocks, block_size=block_size,
+                          with_v=v)
+        return self.kv
+
     def release(self, seq: Sequence) -> None:
-        """Free a finished sequence's KV slot."""
-        if seq.slot is not None:
-            self.kv.release(seq.slot)
-            seq.slot = None
+        """Free a finished sequence's KV blocks."""
+        if seq.blocks and self.kv is not None:
+            self.kv.release(seq)
 
     # -- names of the dense tensors -----------------------------------------------------------
     def _p(self, i: int, name: str) -> str:
@@ -235,18 +278,19 @@ class MoEModel:
         latent = rms_norm(ckv[:, :lat], w[self._p(i, "self_attn.kv_a_layernorm.weight")], cfg.rms_norm_eps)
         k_rot = ckv[:, lat:]
         rot = self._rope_interleaved if cfg.rope_interleave else (lambda t, c, s_: t * c + rotate_half(t) * s_)
-        K = self.kv.k[i]                                                 # [slots, 1, cap, lat+rope]
+        K = self.kv.k[i]                                                 # K: [token slots, 1, lat+rope]
         kv_b = w[self._p(i, "self_attn.kv_b_proj.weight")]
         if all(b - a == 1 for a, b in spans):
             return self._mla_decode(i, q, latent, k_rot, seqs, rot, K, kv_b)
+        slots = self._ctx["prefill"]
         out = torch.empty(x.shape[0], nh, vd, dtype=x.dtype, device=x.device)
-        for s, (a, b) in zip(seqs, spans):
+        for s, (a, b), (w_idx, r_idx) in zip(seqs, spans, slots):
             p0, n_new = s.length, b - a
             cos, sin = self._rope(torch.arange(p0, p0 + n_new, device=x.device))   # [new, rope]
             qr = torch.cat([q[a:b, :, :nope], rot(q[a:b, :, nope:], cos[:, None], sin[:, None])], dim=-1)
-            K[s.slot, 0, p0:p0 + n_new] = torch.cat([latent[a:b], rot(k_rot[a:b], cos, sin)], dim=-1)
+            K[w_idx, 0] = torch.cat([latent[a:b], rot(k_rot[a:b], cos, sin)], dim=-1)
             ctx = p0 + n_new
-            cache = K[s.slot, 0, :ctx]                                   # [ctx, lat+rope]
+            cache = K[r_idx, 0]                                          # [ctx, lat+rope]
             kv = F.linear(cache[:, :lat], kv_b).view(ctx, nh, nope + vd)
             k = torch.cat([kv[..., :nope], cache[:, None, lat:].expand(ctx, nh, rope)], dim=-1)   # [ctx, heads, qk]
             causal = torch.arange(ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
@@ -263,13 +307,12 @@ class MoEModel:
         cfg = self.cfg
         nh, nope, vd, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         B = len(seqs)
-        pos = torch.tensor([s.length for s in seqs], device=q.device)
-        sl = torch.tensor([s.slot for s in seqs], device=q.device)
+        pos, w_idx, r_idx = self._ctx["decode"]
         cos, sin = self._rope(pos)                                       # [B, rope]
         q_rope = rot(q[:, :, nope:], cos[:, None], sin[:, None])         # [B, heads, rope]
-        K[sl, 0, pos] = torch.cat([latent, rot(k_rot, cos, sin)], dim=-1)
-        n = int(pos.max()) + 1
-        cache = K[sl, 0, :n]                                             # cache: [B, n, lat+rope]
+        K[w_idx, 0] = torch.cat([latent, rot(k_rot, cos, sin)], dim=-1)
+        n = r_idx.shape[1]
+        cache = K[r_idx, 0]                                              # cache: [B, n, lat+rope]
         wkv = kv_b.view(nh, nope + vd, lat)
         q_lat = torch.einsum("bhd,hdl->bhl", q[:, :, :nope], wkv[:, :nope])          # [B, heads, lat]
         scores = (torch.einsum("bhl,bnl->bhn", q_lat, cache[..., :lat]) +
@@ -316,19 +359,18 @@ class MoEModel:
         if cfg.qk_norm == "head":
             q = rms_norm(q, w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
             k = rms_norm(k, w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
-        K, V = self.kv.k[i], self.kv.v[i]                                # [slots, kv, cap, hd]
+        K, V = self.kv.k[i], self.kv.v[i]                                # [token slots, kv, hd]
         if all(b - a == 1 for a, b in spans):
             # Decode: one token per sequence - one write and one batched product for all of them.
             B = len(seqs)
-            pos = torch.tensor([s.length for s in seqs], device=x.device)
-            sl = torch.tensor([s.slot for s in seqs], device=x.device)
+            pos, w_idx, r_idx = self._ctx["decode"]
             cos, sin = self._rope(pos)                                   # [B, hd]
             q = q * cos[:, None] + rotate_half(q) * sin[:, None]
             k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-            K[sl, :, pos] = k                                            # k: [B, kv, hd]
-            V[sl, :, pos] = v
-            n = int(pos.max()) + 1
-            kk, vv = K[sl, :, :n], V[sl, :, :n]                          # [B, kv, n, hd]
+            K[w_idx] = k                                                 # k: [B, kv, hd]
+            V[w_idx] = v
+            n = r_idx.shape[1]
+            kk, vv = K[r_idx].transpose(1, 2), V[r_idx].transpose(1, 2)  # [B, kv, n, hd]
             keys = torch.arange(n, device=x.device)[None, :]
             mask = keys <= pos[:, None]                                  # mask: [B, n]
             if i in self.sliding:
@@ -336,15 +378,15 @@ class MoEModel:
             out = self._sdpa(i, q[:, :, None], kk, vv, mask[:, None, None, :]).reshape(B, nh * hd)
             return self._o_proj(i, out)
         out = torch.empty_like(q)
-        for s, (a, b) in zip(seqs, spans):
+        for s, (a, b), (w_idx, r_idx) in zip(seqs, spans, self._ctx["prefill"]):
             p0, n_new = s.length, b - a
             cos, sin = self._rope(torch.arange(p0, p0 + n_new, device=x.device))
             qs = q[a:b] * cos[:, None] + rotate_half(q[a:b]) * sin[:, None]
             ks = k[a:b] * cos[:, None] + rotate_half(k[a:b]) * sin[:, None]
-            K[s.slot, :, p0:p0 + n_new] = ks.transpose(0, 1)
-            V[s.slot, :, p0:p0 + n_new] = v[a:b].transpose(0, 1)
+            K[w_idx] = ks                                                # ks: [new, kv, hd]
+            V[w_idx] = v[a:b]
             ctx = p0 + n_new
-            kk, vv = K[s.slot, :, :ctx], V[s.slot, :, :ctx]              # [kv, ctx, hd]
+            kk, vv = K[r_idx].transpose(0, 1), V[r_idx].transpose(0, 1)  # [kv, ctx, hd]
             qpos = torch.arange(n_new, device=x.device)[:, None] + p0
             causal = torch.arange(ctx, device=x.device)[None, :] <= qpos
             if i in self.sliding:
@@ -424,6 +466,20 @@ class MoEModel:
             self.prefetch_hook(m, used, x)
         return out
 
+    def _kv_indices(self, seqs: list, spans: list) -> dict:
+        """Token slots of this forward, computed once for every layer: decode - each sequence's
+        position, its write slot and its read slots [B, n] (padded with slot 0, masked out);
+        prefill - per sequence (write slots of the new tokens, read slots of its whole context)."""
+        if all(b - a == 1 for a, b in spans):
+            pos = [s.length for s in seqs]
+            n = max(pos) + 1
+            read = torch.stack([s.slot_ids[:n] if s.slot_ids.numel() >= n else
+                                torch.cat([s.slot_ids, s.slot_ids.new_zeros(n - s.slot_ids.numel())]) for s in seqs])
+            write = torch.stack([s.slot_ids[p] for s, p in zip(seqs, pos)])
+            return {"decode": (torch.tensor(pos, device=self.device), write, read)}
+        return {"prefill": [(s.slot_ids[s.length:s.length + b - a], s.slot_ids[:s.length + b - a])
+                            for s, (a, b) in zip(seqs, spans)]}
+
     @torch.inference_mode()
     def forward(self, seqs: list, chunks: list) -> torch.Tensor:
         """Run new tokens of several sequences. chunks[j]: token ids of seqs[j] (prefill chunk or one
@@ -434,10 +490,13 @@ class MoEModel:
         for c in chunks:
             spans.append((a, a + len(c)))
             a += len(c)
+        if self.kv is None:
+            self.init_kv()
         for sq, c in zip(seqs, chunks):
-            if sq.slot is None:
-                sq.slot = self.kv.alloc()
-        self.kv.reserve(max(sq.length + len(c) for sq, c in zip(seqs, chunks)))
+            if not self.kv.ensure(sq, sq.length + len(c)):
+                raise KVFull(f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) has no free "
+                             f"block for a sequence of {sq.length + len(c)} tokens")
+        self._ctx = self._kv_indices(seqs, spans)
         x = w["model.embed_tokens.weight"][torch.tensor(flat, device=self.device)]  # x: [tokens, hidden]
         for i in range(cfg.num_layers):
             h = rms_norm(x, w[self._p(i, "input_layernorm.weight")], cfg.rms_norm_eps)

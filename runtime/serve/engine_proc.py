@@ -84,6 +84,12 @@ def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) ->
     return code
 
 
+def _engine_stats(eng) -> dict:
+    kv = eng.model.kv
+    return {"running": len(eng.running), "waiting": len(eng.waiting), "preemptions": eng.preemptions,
+            "kv_blocks": {"used": kv.num_blocks - kv.free_blocks, "free": kv.free_blocks, "bytes": kv.nbytes}}
+
+
 def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     import torch
     import zmq
@@ -99,7 +105,7 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
         mc = model.cfg
         push.send(encode("ready", model=os.path.basename(os.path.abspath(cfg.model)), vocab_size=mc.vocab_size,
                          max_context=eng.max_context, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,
-                         pid=os.getpid(), stats={**store.snapshot(), "running": 0, "waiting": 0}))
+                         pid=os.getpid(), stats={**store.snapshot(), **_engine_stats(eng)}))
         iid_of: dict = {}   # front-end request id -> engine id
         rid_of: dict = {}
         last_stats = 0.0
@@ -152,8 +158,7 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
             now = time.monotonic()
             if outputs or rejected or failed or record or now - last_stats > 1.0:
                 last_stats = now
-                stats = store.snapshot()
-                stats["running"], stats["waiting"] = len(eng.running), len(eng.waiting)
+                stats = {**store.snapshot(), **_engine_stats(eng)}
                 push.send(encode("step", outputs=outputs, rejected=rejected, failed=failed, record=record, stats=stats))
     finally:
         store.close()

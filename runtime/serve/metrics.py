@@ -70,6 +70,16 @@ class _StoreCollector:
             for tier, v in s[key].items():
                 g.add_metric([tier], v)
             yield g
+        if "kv_blocks" in s:
+            g = GaugeMetricFamily(P + "kv_cache_blocks", "KV cache blocks (preallocated), by state", labels=["state"])
+            g.add_metric(["used"], s["kv_blocks"]["used"])
+            g.add_metric(["free"], s["kv_blocks"]["free"])
+            yield g
+            yield GaugeMetricFamily(P + "kv_cache_bytes", "Bytes of the preallocated KV cache", value=s["kv_blocks"]["bytes"])
+            yield CounterMetricFamily(P + "preemptions", "Running requests preempted for KV blocks (recomputed later)",
+                                      value=s.get("preemptions", 0))
+        yield CounterMetricFamily(P + "expert_load_errors", "Expert loads that failed (corrupt twice): the requests of "
+                                  "that step failed", value=s.get("load_errors", 0))
         yield GaugeMetricFamily(P + "requests_running", "Requests in the running batch", value=s.get("running", 0))
         yield GaugeMetricFamily(P + "requests_waiting", "Requests waiting for a batch slot", value=s.get("waiting", 0))
 

@@ -16,7 +16,9 @@ HIT_RATE = ('sum(tiered_moe_expert_hits_total{tier="device"}) / (sum(tiered_moe_
 HIT_RATE_PANEL = ('sum(rate(tiered_moe_expert_hits_total{tier="device"}[1m])) / '
                   '(sum(rate(tiered_moe_expert_hits_total{tier="device"}[1m])) + '
                   'sum(rate(tiered_moe_expert_misses_total{tier="device"}[1m])))')
-ALLOWED_LABELS = {"tier", "layer", "link", "finish_reason", "le"}
+ALLOWED_LABELS = {"tier", "layer", "link", "finish_reason", "le", "state", "cause"}
+CLOSED = {"state": {"used", "free"}, "cause": {"engine", "engine_exit"}, "tier": {"device", "host"},
+          "link": {"disk_to_host", "host_to_device"}, "finish_reason": {"stop", "length", "abort", "error"}}
 
 
 def scrape(srv) -> str:
@@ -55,11 +57,14 @@ def test_names_prefix_units_and_bounded_labels(server):
     assert all(n.startswith("tiered_moe_") for n in names if not n.startswith(("python_", "process_")))
     for _, labels in s:
         assert {k for k, _ in labels} <= ALLOWED_LABELS
+        assert all(v in CLOSED[k] for k, v in labels if k in CLOSED), labels
     layers = {v for _, labels in s for k, v in labels if k == "layer"}
     assert layers == {"0", "1"}   # one per MoE layer, never per expert or request
     need = ["tiered_moe_expert_hits_total", "tiered_moe_expert_misses_total", "tiered_moe_transfer_bytes_total",
             "tiered_moe_expert_evictions_total", "tiered_moe_prefetch_issued_total", "tiered_moe_prefetch_used_total",
             "tiered_moe_prefetch_wasted_total", "tiered_moe_resident_experts", "tiered_moe_resident_bytes",
+            "tiered_moe_kv_cache_blocks", "tiered_moe_kv_cache_bytes", "tiered_moe_preemptions_total",
+            "tiered_moe_engine_restarts_total", "tiered_moe_expert_load_errors_total",
             "tiered_moe_capacity_bytes", "tiered_moe_expert_stall_seconds_bucket", "tiered_moe_step_duration_seconds_bucket",
             "tiered_moe_step_batch_size_bucket", "tiered_moe_step_unique_experts_bucket", "tiered_moe_requests_running",
             "tiered_moe_requests_waiting", "tiered_moe_time_to_first_token_seconds_bucket",
