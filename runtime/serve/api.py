@@ -1,6 +1,7 @@
-"""OpenAI-compatible HTTP front-end (the subset vLLM and llama.cpp serve), on the standard
-library's threaded HTTP server: one thread per connection, each waiting on its request's queue
-while the engine process decodes.
+"""OpenAI-compatible HTTP front-end (the subset vLLM and llama.cpp serve): a Starlette app on
+uvicorn (h11), as vLLM and SGLang serve. Requests wait on an asyncio queue that the engine
+client's receiver thread feeds; tokenization, JSON parsing of large bodies and waiting for an
+engine restart run in the thread pool, never on the event loop.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (server-sent events
 with ``"stream": true``, usage with ``stream_options.include_usage``), GET /health, GET /metrics.
@@ -10,23 +11,22 @@ malformed requests and unknown methods included.
 Hostile input fails alone: sampling values are checked against what the engine and the wire
 format take (integers within int64; temperatures below 1e-5 are greedy, as in vLLM), a body that
 is not JSON, nests too deep or carries lone surrogates is a 400, an error in the engine fails that
-request with a 500 naming the cause, and any other exception is a 500 for that request. Sockets
-have a read/write timeout (``timeout``), responses go out with TCP_NODELAY, a non-streaming client
-that disconnects has its request aborted, and so does a stream whose client stops reading
-(its writes time out).
+request with a 500 naming the cause, and any other exception is a 500 for that request. Every
+connection has deadlines (``timeout``): for a request's headers (slowloris), its body, idle
+keep-alive, and each write of a stream (a client that stops reading); a non-streaming client that
+disconnects has its request aborted.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 import json
-import queue
-import select
 import socket
 import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .chat import ChatFormatter
 from .client import EngineClient, EngineError
@@ -161,33 +161,47 @@ class Server:
         self.vocab_size = self.engine.info["vocab_size"]
         self.created = int(time.time())
         try:
-            self.httpd = _HTTPServer((host, port), _Handler)
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.sock = socket.socket(fam, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            self.sock.listen(512)
         except OSError as e:
             self.engine.close()
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        self.httpd.app = self
-        self.httpd.timeout_s = timeout
-        self.host, self.port = self.httpd.server_address[:2]
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.uv = _uvicorn(self._app(), timeout)
         self._thread = None
+
+    def _app(self):
+        return _app_for(self)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> "Server":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="tiered-moe-http", daemon=True)
+        """Serve on a background thread (its own event loop); returns once it listens."""
+        self._thread = threading.Thread(target=self.serve_forever, name="tiered-moe-http", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uv.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.uv.started:
+            raise ValueError("the HTTP server did not start")
         return self
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.1)
+        self.uv.run(sockets=[self.sock])
 
     def close(self) -> None:
         if self._thread is not None:
-            self.httpd.shutdown()
-            self._thread.join(5)
-        self.httpd.server_close()
+            self.uv.should_exit = True
+            self._thread.join(10)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
         self.engine.close()
 
     # -- building requests ---------------------------------------------------------------------
@@ -277,171 +291,170 @@ class Server:
         return self.tok.encode(text)
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128   # many clients connecting at once are queued, not refused
 
-    def handle_error(self, request, client_address):
-        import sys
-        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, TimeoutError)):
-            return   # a client went away between requests: not an error of ours
-        super().handle_error(request, client_address)
-
-
+# -- the HTTP layer ---------------------------------------------------------------------------------
 class _ClientGone(Exception):
     pass
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "tiered-moe"
+def _protocol_class(timeout: float):
+    """uvicorn's h11 protocol with what it lacks: a deadline for a request's headers (a client
+    that trickles them - slowloris - is cut after ``timeout`` seconds) and JSON for the 400 it
+    sends on malformed HTTP."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def setup(self) -> None:
-        # A read/write timeout per socket: slow or idle clients (slowloris, a stream nobody reads)
-        # time out instead of holding a thread forever. TCP_NODELAY: a response's small writes go
-        # out at once (Nagle + delayed ACK cost 40 ms per keep-alive request).
-        self.timeout = getattr(self.server, "timeout_s", 60.0)
-        super().setup()
-        try:
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
+    class Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            # uvicorn writes a response's head and body separately: without TCP_NODELAY, Nagle and
+            # the client's delayed ACK hold the body ~40 ms on every keep-alive request.
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
+            self._arm()
 
-    def version_string(self) -> str:
-        return self.server_version      # no Python version in the Server header
+        def _arm(self):
+            self._disarm()
+            self._hdr_timer = self.loop.call_later(timeout, self._too_slow)
 
-    def log_message(self, fmt, *args):   # quiet by default; access logs are not our job
-        pass
+        def _disarm(self):
+            t = getattr(self, "_hdr_timer", None)
+            if t is not None:
+                t.cancel()
+                self._hdr_timer = None
 
-    def send_error(self, code, message=None, explain=None):
-        """The standard library's errors (bad request line, headers too long, unknown method) as
-        OpenAI error objects, not HTML pages."""
-        try:
-            self.close_connection = True
-            self._send(code, ApiError(code, message or self.responses.get(code, ("error",))[0]).body())
-        except OSError:
-            pass
+        def _too_slow(self):
+            self._hdr_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
 
-    @property
-    def app(self) -> Server:
-        return self.server.app
+        def handle_events(self):
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:        # a request's headers are complete
+                self._disarm()
 
-    # -- plumbing ------------------------------------------------------------------------------
-    def _send(self, status: int, body, ctype: str = "application/json") -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        # Headers and body in one write (one segment for small responses).
-        self._headers_buffer.append(b"\r\n")
-        head = b"".join(self._headers_buffer)
-        self._headers_buffer = []
-        self.wfile.write(head + (b"" if getattr(self, "command", None) == "HEAD" else data))
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()                     # the next request's headers get the same deadline
 
-    def _error(self, e: ApiError) -> None:
-        self._send(e.status, e.body())
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
 
-    def _auth(self) -> None:
-        key = self.app.api_key
-        if key is None or not self.path.startswith("/v1"):
+        def send_400_response(self, msg: str) -> None:
+            import h11
+            data = json.dumps(ApiError(400, f"malformed HTTP request: {msg}").body()).encode()
+            for ev in (h11.Response(status_code=400, headers=[(b"content-type", b"application/json"),
+                                                              (b"content-length", str(len(data)).encode()),
+                                                              (b"connection", b"close")], reason=b"Bad Request"),
+                       h11.Data(data=data), h11.EndOfMessage()):
+                try:
+                    self.transport.write(self.conn.send(ev))
+                except Exception:  # noqa: BLE001 - h11 refuses in some broken states: just close
+                    break
+            self.transport.close()
+
+    return Protocol
+
+
+def _uvicorn(app, timeout: float):
+    import uvicorn
+    cfg = uvicorn.Config(app, http=_protocol_class(timeout), lifespan="off", log_level="warning", access_log=False,
+                         server_header=False, timeout_keep_alive=int(max(1, timeout)), timeout_graceful_shutdown=2,
+                         h11_max_incomplete_event_size=64 * 1024, ws="none")
+    return uvicorn.Server(cfg)
+
+
+class _Sink:
+    """What the engine client's receiver thread puts into: hands each item to the request's
+    asyncio queue on the server's event loop."""
+
+    def __init__(self, loop, q: asyncio.Queue) -> None:
+        self.loop, self.q = loop, q
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+
+
+def _json(status: int, body, headers=None):
+    from starlette.responses import Response
+    return Response(json.dumps(body), status_code=status, media_type="application/json",
+                    headers={"server": "tiered-moe", **(headers or {})})
+
+
+class _Routes:
+    """The endpoints, as Starlette handlers over the Server's validation and engine client."""
+
+    def __init__(self, srv: "Server") -> None:
+        self.srv = srv
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def auth(self, request) -> None:
+        key = self.srv.api_key
+        if key is None:
             return
-        got = self.headers.get("Authorization", "")
+        got = request.headers.get("authorization", "")
         if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), key.encode())):
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
 
-    def _body(self) -> dict:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+    async def body(self, request) -> dict:
+        from starlette.concurrency import run_in_threadpool
+        srv = self.srv
+        if request.headers.get("transfer-encoding", "").lower() == "chunked":
             raise ApiError(411, "chunked request bodies are not accepted: send Content-Length")
         try:
-            n = int(self.headers.get("Content-Length", "0"))
+            n = int(request.headers.get("content-length", "0"))
         except ValueError:
             raise ApiError(400, "bad Content-Length header") from None
         if n < 0:
             raise ApiError(400, f"bad Content-Length header ({n})")
-        if n > self.app.max_body:
-            raise ApiError(413, f"request body of {n:,} bytes exceeds the limit of {self.app.max_body:,}")
-        raw = self.rfile.read(n)
-        if len(raw) < n:
-            raise _ClientGone()
+        if n > srv.max_body:
+            raise ApiError(413, f"request body of {n:,} bytes exceeds the limit of {srv.max_body:,}")
         try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise ApiError(400, "request body nests too deeply") from None
-        except ValueError as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+            raw = await asyncio.wait_for(request.body(), srv.timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {srv.timeout:g} s") from None
+
+        def parse():
+            try:
+                return json.loads(raw)
+            except RecursionError:
+                raise ApiError(400, "request body nests too deeply") from None
+            except ValueError as e:
+                raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        body = parse() if len(raw) < 65536 else await run_in_threadpool(parse)
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
 
-    def _route(self, method: str) -> None:
-        path = self.path.split("?", 1)[0]
-        routes = {("GET", "/health"): self._health, ("GET", "/metrics"): self._metrics,
-                  ("GET", "/v1/models"): self._models,
-                  ("POST", "/v1/completions"): lambda: self._generate(chat=False),
-                  ("POST", "/v1/chat/completions"): lambda: self._generate(chat=True)}
-        try:
-            fn = routes.get((method, path))
-            if fn is None:
-                known = any(p == path for _, p in routes)
-                raise ApiError(405 if known else 404, f"{method} {path}: {'method not allowed' if known else 'not found'}")
-            self._auth()
-            fn()
-        except ApiError as e:
-            if method == "POST" and e.status >= 400 and not getattr(self, "_body_read", False):
-                self.close_connection = True   # an unread body must not be parsed as the next request
-            self._error(e)
-        except (BrokenPipeError, ConnectionResetError, _ClientGone, TimeoutError, socket.timeout):
-            self.close_connection = True
-        except Exception as e:  # noqa: BLE001 - a bug of ours fails this request, not the server
-            print(f"tiered-moe: {method} {path}: {type(e).__name__}: {e}", file=sys.stderr)
-            self.close_connection = True
-            try:
-                self._error(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
-            except OSError:
-                pass
-
-    def do_GET(self):
-        self._route("GET")
-
-    def do_POST(self):
-        self._route("POST")
-
-    def _no_such_method(self):
-        self._route(self.command)
-
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _no_such_method
-
-    def _client_gone(self) -> bool:
-        """Whether the client closed its connection (a readable socket with nothing to read). A
-        client that pipelines its next request is still there."""
-        try:
-            r, _, _ = select.select([self.connection], [], [], 0)
-            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    # -- endpoints -----------------------------------------------------------------------------
-    def _health(self) -> None:
-        e = self.app.engine
+    # -- endpoints ---------------------------------------------------------------------------------
+    async def health(self, request):
+        e = self.srv.engine
         if e.alive:
-            self._send(200, {"status": "ok", "restarts": e.restarts})
-        else:
-            self._send(503, {"status": "engine restarting", "last_exit": e.last_exit, "restarts": e.restarts})
+            return _json(200, {"status": "ok", "restarts": e.restarts})
+        return _json(503, {"status": "engine restarting", "last_exit": e.last_exit, "restarts": e.restarts})
 
-    def _metrics(self) -> None:
+    async def metrics(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST
-        self._send(200, self.app.metrics.render(), CONTENT_TYPE_LATEST)
+        from starlette.responses import Response
+        return Response(self.srv.metrics.render(), media_type=CONTENT_TYPE_LATEST, headers={"server": "tiered-moe"})
 
-    def _models(self) -> None:
-        a = self.app
-        self._send(200, {"object": "list", "data": [{"id": a.model_name, "object": "model", "created": a.created,
-                                                     "owned_by": "tiered-moe", "max_model_len": a.max_context}]})
+    async def models(self, request):
+        self.auth(request)
+        a = self.srv
+        return _json(200, {"object": "list", "data": [{"id": a.model_name, "object": "model", "created": a.created,
+                                                       "owned_by": "tiered-moe", "max_model_len": a.max_context}]})
 
-    def _generate(self, chat: bool) -> None:
-        a = self.app
-        body = self._body()
-        self._body_read = True
+    async def generate(self, request, chat: bool):
+        from starlette.concurrency import run_in_threadpool
+        a = self.srv
+        self.auth(request)
+        body = await self.body(request)
         a.check_model(body)
         _unsupported(body)
         stream = body.get("stream", False)
@@ -452,137 +465,224 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
         include_usage = bool(so.get("include_usage", False))
         stops = _stops(body)
-        prompt = a.chat_prompt(body) if chat else a.completion_prompt(body)
+        # Tokenizing (and rendering a chat template) can take a while: off the event loop.
+        prompt = await run_in_threadpool(a.chat_prompt if chat else a.completion_prompt, body)
         params = a.sampling(body, len(prompt), None if chat else 16)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         t0 = time.monotonic()
+        q: asyncio.Queue = asyncio.Queue()
         try:
-            q = a.engine.submit(rid, prompt, params)
+            # waits (bounded) for an engine that is being restarted: in the pool, not on the loop
+            await run_in_threadpool(a.engine.submit, rid, prompt, params, _Sink(asyncio.get_running_loop(), q))
         except EngineError as e:
             raise ApiError(503, str(e), type="server_error", code="engine_unavailable") from None
         a.metrics.prompt_tokens.inc(len(prompt))
-        detok = Detokenizer(a.tok, stops)
-        state = {"n": 0, "last": None, "first": None}
+        ev = _Events(a, q, Detokenizer(a.tok, stops), t0, rid)
+        if stream:
+            return _Stream(a, ev, chat, len(prompt), include_usage)
         try:
-            if stream:
-                self._stream(chat, rid, q, detok, state, t0, len(prompt), include_usage)
-            else:
-                finish = self._collect(q, detok, state, t0, rid)
-                self._send(200, self._full(chat, rid, detok.text, finish, len(prompt), state["n"]))
+            finish = await ev.collect(request)
+            return _json(200, ev.full(chat, finish, len(prompt)))
         finally:
-            if state.get("open", True):
-                a.engine.abort(rid)   # frees a disconnected (or stop-string) request's KV and slot
-            if not state.get("finished"):
-                a.metrics.requests.labels("abort").inc()
+            ev.close()
 
-    def _events(self, q, detok, state, t0, rid):
-        """Yields (delta, finish_reason or None) as tokens arrive."""
-        a = self.app
+
+class _Events:
+    """One request's tokens as they arrive: text deltas, metrics, stop strings, errors."""
+
+    def __init__(self, srv: "Server", q: asyncio.Queue, detok: Detokenizer, t0: float, rid: str) -> None:
+        self.srv, self.q, self.detok, self.t0, self.rid = srv, q, detok, t0, rid
+        self.n, self.first, self.last = 0, None, None
+        self.finished, self.open = False, True
+        self.watch = None          # a task that ends when the client disconnects
+
+    async def __aiter__(self):
+        """Yields (delta, finish_reason or None)."""
+        a = self.srv
         while True:
-            if not state.get("streaming") and time.monotonic() - state.get("checked", 0.0) > 0.25:
-                state["checked"] = time.monotonic()
-                if self._client_gone():
-                    raise _ClientGone()        # nobody will read the answer: the caller aborts it
             try:
-                kind, payload, when = q.get(timeout=0.25)
-            except queue.Empty:
+                kind, payload, when = await asyncio.wait_for(self.q.get(), 0.25)
+            except asyncio.TimeoutError:
+                if self.watch is not None and self.watch.done():
+                    raise _ClientGone() from None
                 continue
             if kind == "rejected":
                 raise ApiError(400, payload)
             if kind == "failed":
                 a.metrics.request_errors.labels("engine").inc()
-                raise ApiError(500, f"the engine failed this request: {payload}", type="server_error",
-                               code="engine_error")
+                raise ApiError(500, f"the engine failed this request: {payload}", type="server_error", code="engine_error")
             if kind == "dead":
                 a.metrics.request_errors.labels("engine_exit").inc()
                 raise ApiError(503, f"{payload}; it is being restarted - retry the request", type="server_error",
                                code="engine_unavailable")
             tok, reason = payload
             m = a.metrics
-            if state["first"] is None:
-                state["first"] = when
-                m.ttft.observe(when - t0)
+            if self.first is None:
+                self.first = when
+                m.ttft.observe(when - self.t0)
             else:
-                m.itl.observe(when - state["last"])
-            state["last"] = when
-            state["n"] += 1
+                m.itl.observe(when - self.last)
+            self.last = when
+            self.n += 1
             m.generation_tokens.inc()
-            delta, hit_stop = detok.push(tok)
+            delta, hit_stop = self.detok.push(tok)
             if hit_stop:
                 reason = "stop"
             if reason is not None:
-                delta += detok.finish()
+                delta += self.detok.finish()
                 m.requests.labels(reason).inc()
-                state["finished"] = True
-                m.e2e.observe(when - t0)
-                a.engine.release(rid)
-                state["open"] = hit_stop   # the engine still runs a request cut by a stop string: abort it
+                self.finished = True
+                m.e2e.observe(when - self.t0)
+                a.engine.release(self.rid)
+                self.open = hit_stop   # the engine still runs a request cut by a stop string: abort it
                 yield delta, reason
                 return
             yield delta, None
 
-    def _collect(self, q, detok, state, t0, rid) -> str:
-        for _, reason in self._events(q, detok, state, t0, rid):
-            if reason is not None:
-                return reason
-        return "length"
+    async def collect(self, request) -> str:
+        """A non-streaming request: wait for the end, watching for the client going away (the
+        body is read, so the next ASGI message is the disconnect)."""
+        gone = self.watch = asyncio.ensure_future(_disconnect(request.receive))
+        try:
+            async for _, reason in self:
+                if reason is not None:
+                    return reason
+                if gone.done():
+                    raise _ClientGone()
+            return "length"
+        finally:
+            gone.cancel()
 
-    def _full(self, chat, rid, text, finish, n_prompt, n_gen) -> dict:
-        a = self.app
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    def full(self, chat: bool, finish: str, n_prompt: int) -> dict:
+        a = self.srv
+        text = self.detok.text
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": self.n, "total_tokens": n_prompt + self.n}
         if chat:
-            return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": a.model_name,
+            return {"id": self.rid, "object": "chat.completion", "created": int(time.time()), "model": a.model_name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                                  "finish_reason": finish}], "usage": usage}
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": a.model_name,
+        return {"id": self.rid, "object": "text_completion", "created": int(time.time()), "model": a.model_name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}
 
-    def _stream(self, chat, rid, q, detok, state, t0, n_prompt, include_usage) -> None:
-        a = self.app
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+    def close(self) -> None:
+        if self.open:
+            self.srv.engine.abort(self.rid)      # frees a disconnected (or stop-string) request's KV and slot
+        if not self.finished:
+            self.srv.metrics.requests.labels("abort").inc()
 
-        def event(data) -> None:
+
+async def _disconnect(receive) -> None:
+    """Returns when the client disconnects (after the request body, receive() yields nothing else)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Stream:
+    """Server-sent events as a raw ASGI response: every write has a deadline (a client that stops
+    reading is cut and its request aborted), and a disconnect stops the request at once."""
+
+    def __init__(self, srv: "Server", ev: _Events, chat: bool, n_prompt: int, include_usage: bool) -> None:
+        self.srv, self.ev, self.chat, self.n_prompt, self.include_usage = srv, ev, chat, n_prompt, include_usage
+
+    async def __call__(self, scope, receive, send) -> None:
+        a, ev = self.srv, self.ev
+        created = int(time.time())
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        gone = asyncio.Event()
+
+        async def listen():
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    gone.set()
+                    return
+
+        async def event(data) -> None:
+            if gone.is_set():
+                raise _ClientGone()
             payload = b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
             try:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError, OSError):
+                await asyncio.wait_for(send({"type": "http.response.body", "body": payload, "more_body": True}),
+                                       a.timeout)
+            except asyncio.TimeoutError:
                 raise _ClientGone() from None
 
         def chunk(delta, finish, first=False) -> dict:
-            base = {"id": rid, "object": obj, "created": created, "model": a.model_name}
-            if chat:
+            base = {"id": ev.rid, "object": obj, "created": created, "model": a.model_name}
+            if self.chat:
                 d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta or not finish else {})
                 ch = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
             else:
                 ch = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
             out = {**base, "choices": [ch]}
-            if include_usage:
+            if self.include_usage:
                 out["usage"] = None
             return out
 
-        state["streaming"] = True
-        if chat:
-            event(chunk("", None, first=True))
+        listener = asyncio.ensure_future(listen())
         try:
-            for delta, finish in self._events(q, detok, state, t0, rid):
-                if delta or finish:
-                    event(chunk(delta, finish))
-        except ApiError as e:
-            event(e.body())   # headers are gone: the error travels as an event, as OpenAI does
-        if include_usage:
-            event({"id": rid, "object": obj, "created": created, "model": a.model_name, "choices": [],
-                   "usage": {"prompt_tokens": n_prompt, "completion_tokens": state["n"],
-                             "total_tokens": n_prompt + state["n"]}})
-        event(b"[DONE]")
-        try:
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            raise _ClientGone() from None
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                                    (b"server", b"tiered-moe")]})
+            if self.chat:
+                await event(chunk("", None, first=True))
+            try:
+                it = ev.__aiter__()
+                while True:
+                    nxt = asyncio.ensure_future(it.__anext__())
+                    waiter = asyncio.ensure_future(gone.wait())
+                    await asyncio.wait([nxt, waiter], return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    if not nxt.done():
+                        nxt.cancel()
+                        raise _ClientGone()
+                    try:
+                        delta, finish = nxt.result()
+                    except StopAsyncIteration:
+                        break
+                    if delta or finish:
+                        await event(chunk(delta, finish))
+                    if finish:
+                        break
+            except ApiError as e:
+                await event(e.body())   # headers are gone: the error travels as an event, as OpenAI does
+            if self.include_usage:
+                await event({"id": ev.rid, "object": obj, "created": created, "model": a.model_name, "choices": [],
+                             "usage": {"prompt_tokens": self.n_prompt, "completion_tokens": ev.n,
+                                       "total_tokens": self.n_prompt + ev.n}})
+            await event(b"[DONE]")
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (_ClientGone, OSError):
+            pass
+        finally:
+            listener.cancel()
+            ev.close()
+
+
+def _app_for(srv: "Server"):
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+    r = _Routes(srv)
+
+    async def api_error(request, exc: ApiError):
+        return _json(exc.status, exc.body(), {"connection": "close"} if exc.status in (408, 411, 413) else None)
+
+    async def http_error(request, exc: HTTPException):
+        msg = f"{request.method} {request.url.path}: {'method not allowed' if exc.status_code == 405 else exc.detail.lower()}"
+        return _json(exc.status_code, ApiError(exc.status_code, msg).body())
+
+    async def gone(request, exc):
+        from starlette.responses import Response
+        return Response(b"", status_code=499)     # nobody is there to read it
+
+    async def crash(request, exc: Exception):
+        print(f"tiered-moe: {request.method} {request.url.path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return _json(500, ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").body())
+
+    routes = [Route("/health", r.health, methods=["GET"]), Route("/metrics", r.metrics, methods=["GET"]),
+              Route("/v1/models", r.models, methods=["GET"]),
+              Route("/v1/completions", functools.partial(r.generate, chat=False), methods=["POST"]),
+              Route("/v1/chat/completions", functools.partial(r.generate, chat=True), methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                        _ClientGone: gone, Exception: crash})

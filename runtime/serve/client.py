@@ -103,10 +103,12 @@ class EngineClient:
                 raise EngineError("the server is shutting down")
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, rid: str, prompt: list, params: dict) -> "queue.Queue":
+    def submit(self, rid: str, prompt: list, params: dict, q=None):
+        """Send a request; its results go to ``q`` (anything with ``put``; a new queue.Queue by
+        default) as (kind, payload, time) items: token, rejected, failed, dead."""
         if not self.alive and not self._stop.is_set():
             self._up.wait(self.restart_wait)   # an engine being restarted: wait for it (bounded)
-        q: queue.Queue = queue.Queue()
+        q = queue.Queue() if q is None else q
         with self._qlock:
             self._queues[rid] = q
         try:
