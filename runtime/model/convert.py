@@ -417,7 +417,12 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
     man = writer.close()
     embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     dense = {n: read_dense(ck, n, s, sq, embed.dtype) for n, s in dense_names(cfg).items()}
-    save_file(dense, os.path.join(out_dir, "dense.safetensors"))
+    path = os.path.join(out_dir, "dense.safetensors")
+    save_file(dense, path)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)   # safetensors writes 0600: a store must be readable like its other files
+                                     # (a container's unprivileged user reads a store converted by root)
     shutil.copy(os.path.join(model_dir, "config.json"), os.path.join(out_dir, "config.json"))
     for f in TOKENIZER_FILES:
         if os.path.exists(os.path.join(model_dir, f)):
@@ -431,6 +436,8 @@ def load_dense(store_dir: str, cfg: MoEConfig) -> dict:
     path = os.path.join(store_dir, "dense.safetensors")
     if not os.path.exists(path):
         raise ValueError(f"{store_dir}: no dense.safetensors; convert the model with 'tiered-moe convert'")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path}: permission denied (this process runs as uid {os.getuid()}); make the store readable")
     try:
         d = load_file(path)
     except Exception as e:  # noqa: BLE001

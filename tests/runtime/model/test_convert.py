@@ -30,6 +30,9 @@ def test_store_layout_and_progress_free_conversion(hf_model):
     assert os.path.exists(os.path.join(store_dir, "dense.safetensors"))
     dense = load_file(os.path.join(store_dir, "dense.safetensors"))
     assert not any(".experts." in k for k in dense)
+    # every file of the store is readable alike (a container's unprivileged user reads a store root converted)
+    mode = lambda f: os.stat(os.path.join(store_dir, f)).st_mode & 0o777   # noqa: E731
+    assert mode("dense.safetensors") == mode("layer-000.bin") == mode("manifest.json")
 
 
 def test_missing_tensor_wrong_shape_truncated_file(hf_model, tmp_path):
