@@ -57,27 +57,31 @@ def main():
     dense = os.path.getsize(os.path.join(store, "dense.safetensors"))
     host_budget = 256 * MiB
     device_experts = 64 * MiB
-    device_budget = device_experts + dense
     max_tokens, prompt = 32, 8
-    # KV cache: layers x 2 (k, v) x kv_heads x head_dim x tokens x 4 bytes.
-    kv = spec.num_layers * 2 * spec.num_kv_heads * (spec.hidden_size // spec.num_heads) * (prompt + max_tokens) * 4
+    # KV cache, preallocated in blocks of 16 tokens: layers x 2 (k, v) x kv_heads x head_dim x tokens x 4 bytes,
+    # for prompt + max_tokens rounded up to whole blocks; passed as --kv-cache-budget (inside the device budget).
+    kv_tokens = -(-(prompt + max_tokens) // 16) * 16
+    kv = spec.num_layers * 2 * spec.num_kv_heads * (spec.hidden_size // spec.num_heads) * kv_tokens * 4
+    device_budget = device_experts + dense + kv
     idle_rss, _, _ = peak_rss([py, "-c", "import torch, numpy, safetensors, tokenizers, runtime.cli, runtime.model, "
                                           "runtime.engine, runtime.store, cache_policy"])
     gen_rss, gen_s, out = peak_rss([py, "-m", "runtime.cli", "generate", "--model", store, "--prompt-ids",
                                     ",".join(str(i) for i in range(1, prompt + 1)), "--max-tokens", str(max_tokens),
-                                    "--device-budget", f"{device_budget}B", "--host-budget", f"{host_budget}B", "--json"])
+                                    "--device-budget", f"{device_budget}B", "--host-budget", f"{host_budget}B",
+                                    "--kv-cache-budget", f"{kv}B", "--json"])
     summ = json.loads(out.strip().splitlines()[-1])
     # Stated overhead: an idle process with the same imports, plus a 32 MiB working margin for
     # activations, logits, thread stacks and allocator slack (fixed before this run's numbers).
     margin = 32 * MiB
-    budgets = host_budget + device_budget + kv
+    budgets = host_budget + device_budget   # the device budget holds the KV cache
     bound = budgets + idle_rss + margin
     ok = gen_rss <= bound
     lines = [
         f"expert files: {experts / MiB:.0f} MiB ({m.num_layers} layers x {m.num_experts} experts x {m.blob_stride / MiB:.1f} MiB)",
-        f"dense weights: {dense / MiB:.1f} MiB; KV cache for {prompt}+{max_tokens} tokens: {kv / 1024:.0f} KiB",
+        f"dense weights: {dense / MiB:.1f} MiB; KV cache ({kv_tokens} token slots for {prompt}+{max_tokens} tokens, "
+        f"--kv-cache-budget): {kv / 1024:.0f} KiB",
         f"host budget: {host_budget / MiB:.0f} MiB; device budget: {device_budget / MiB:.1f} MiB "
-        f"(dense + {device_experts / MiB:.0f} MiB of experts; CPU memory on this machine)",
+        f"(dense + KV + {device_experts / MiB:.0f} MiB of experts; CPU memory on this machine)",
         f"stated overhead: idle process with the same imports {idle_rss / MiB:.0f} MiB + working margin {margin / MiB:.0f} MiB",
         f"generate peak RSS: {gen_rss / MiB:.0f} MiB in {gen_s:.1f} s = budgets {budgets / MiB:.0f} MiB + idle "
         f"{idle_rss / MiB:.0f} MiB + {(gen_rss - budgets - idle_rss) / MiB:.0f} MiB working memory; bound "

@@ -286,8 +286,11 @@ def cmd_generate(a) -> int:
                               kv_cache_bytes=_budget(a.kv_cache_budget, "--kv-cache-budget"), host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
                               progress=sys.stderr.isatty())
     try:
-        eng = Engine(model, store, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch,
-                     cache_bonus=a.cache_bonus, schedule=a.schedule, max_active=a.max_active)
+        # generate knows its batch: no more sequences than prompts run at once
+        batch = min(a.max_batch, len(prompts))
+        eng = Engine(model, store, max_batch=batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch,
+                     cache_bonus=a.cache_bonus, schedule=a.schedule,
+                     max_active=None if a.max_active is None else max(a.max_active, batch))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 seed=a.seed)
         ids = [eng.add_request(p, params) for p in prompts]

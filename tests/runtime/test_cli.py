@@ -109,3 +109,11 @@ def test_convert_generate_roundtrip(tmp_path):
     assert s["tokens"] == 3 + 4 and s["layers"] == 2
     bad = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1", "--device-budget", "1KiB", check=False)
     assert bad.returncode == 2 and "the minimum is" in bad.stderr
+    # --prompt-ids repeats like --prompt (a batch); budgets take a plain byte count
+    p = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
+            "--max-tokens", "3", "--device-budget", str(200 * 1024), "--json")
+    out = [json.loads(x) for x in p.stdout.splitlines()]
+    assert [len(o["tokens"]) for o in out[:2]] == [3, 3] and out[2]["generated_tokens"] == 6
+    bad = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1", "--device-budget", "12 apples",
+              check=False)
+    assert bad.returncode == 2 and "give bytes (200000) or a size" in bad.stderr
