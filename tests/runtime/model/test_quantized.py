@@ -253,6 +253,7 @@ def write_mxfp4_gpt_oss(hf_dir, out_dir):
 
 LAYOUTS = {"gpt_oss_mxfp4": ("gpt_oss", write_mxfp4_gpt_oss, "mxfp4"),
            "deepseek_v3_fp8": ("deepseek_v3", write_fp8_deepseek, "fp8_e4m3"),
+           "qwen3_moe_fp8": ("qwen3_moe", write_fp8_deepseek, "fp8_e4m3"),     # Qwen's FP8 releases: the same layout
            "kimi_k2_int4": ("deepseek_v3", write_int4_kimi, "int4")}
 
 
