@@ -80,7 +80,7 @@ def main():
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
     peak = n / clock.time(lambda: dst.copy_(src, non_blocking=True), 6) / 1e9
     R["pinned_peak_GBps"] = round(peak, 1)
-    del src, dst
+    src = dst = None   # free them (the copy above is done)
     # 2. streaming experts (DeepSeek-V2-Lite-sized bf16 experts: 2048 x 1408 SwiGLU, ~17 MB)
     from runtime.quant import expert_weight_specs, get_format
     work = tempfile.mkdtemp(prefix="tiered-moe-gpu-")

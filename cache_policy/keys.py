@@ -101,3 +101,21 @@ class Capacity:
         if scope == "layer":
             return min(total // num_layers, num_experts)
         return min(total, total_experts)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One level of the hierarchy: its name, the link that fills it, what it is."""
+    name: str
+    fill_link: "str | None"
+    doc: str
+
+
+# The registry of tiers, fastest first: the store's counters, the engine's summary, replay's
+# "served from" and the metrics' labels all come from here.
+TIERS = {t.name: t for t in (
+    Tier("device", "host_to_device", "accelerator memory (HBM); CPU memory stands in without CUDA"),
+    Tier("host", "disk_to_host", "host DRAM, pinned when CUDA is present"),
+    Tier("disk", None, "the store's files (holds every expert)"),
+)}
+LINKS = tuple(t.fill_link for t in reversed(TIERS.values()) if t.fill_link)   # ("disk_to_host", "host_to_device")

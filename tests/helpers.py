@@ -14,3 +14,34 @@ def shared_trace(name: str) -> str:
         pytest.fail(f"shared trace {path} is missing: the project expects ../shared/traces beside the checkout "
                     f"(or TIERED_MOE_SHARED pointing at shared/)")
     return path
+
+
+def check_against_transformers(ref, store_dir: str, frac: float, name: str) -> None:
+    """Our model from ``store_dir`` against transformers' ``ref`` on the same weights: logits of
+    every prompt position within 1e-4 (fed one token at a time), then 32 greedy tokens identical
+    through the engine; with ``frac`` < 1 of the experts on the device, offloading really happens."""
+    import torch
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.model import Sequence, load_model
+    from runtime.store import Manifest
+    m = Manifest.read(store_dir)
+    prompt = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref(prompt).logits[0]                                    # want: [10, vocab]
+    model, store = load_model(store_dir, expert_budget=max(4, int(frac * m.num_layers * m.num_experts)) * m.blob_stride)
+    try:
+        s = Sequence()
+        got = torch.stack([model.forward([s], [[t]])[0] for t in prompt[0].tolist()])
+        assert (got - want).abs().max().item() < 1e-4, name
+        with torch.no_grad():
+            gen = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
+                               min_new_tokens=32, eos_token_id=None, pad_token_id=None)[0, 10:].tolist()
+        eng = Engine(model, store, max_batch=1, prefill_chunk=4)
+        rid = eng.add_request(prompt[0].tolist(), SamplingParams(max_tokens=32, ignore_eos=True))
+        eng.run()
+        assert eng.done[rid].output == gen, name
+        if frac < 1:
+            assert store.stats.hits["device"] < sum(store.stats.hits.values())   # offloading really happened
+    finally:
+        store.close()

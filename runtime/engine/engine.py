@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cache_policy.keys import LINKS, TIERS
 from cache_policy.prefetch import LIVE_PREFETCHERS
 
 from ..model.moe import Sequence, route
@@ -444,7 +445,7 @@ class Engine:
         steps = self.steps
         gen = sum(len(r.output) for r in self.done.values())
         secs = sum(s.seconds for s in steps)
-        hits = {k: sum(s.hits[k] for s in steps) for k in ("device", "host", "disk")}
+        hits = {k: sum(s.hits[k] for s in steps) for k in TIERS}
         need = sum(hits.values())
         ttft = [r.first_token_time - r.arrival for r in self.done.values() if r.first_token_time]
         p = self.pf_stats
@@ -454,7 +455,7 @@ class Engine:
                                         max(1e-9, sum(s.seconds for s in steps if s.tokens == s.batch))),
                 "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
                 "hits": hits, "hit_rate_device": hits["device"] / need if need else None,
-                "bytes": {k: sum(s.bytes[k] for s in steps) for k in ("disk_to_host", "host_to_device")},
+                "bytes": {k: sum(s.bytes[k] for s in steps) for k in LINKS},
                 "stall_seconds": sum(s.stall_seconds for s in steps),
                 "mean_unique_experts_per_layer": float(np.mean([np.mean(s.unique_experts) for s in steps])) if steps else 0.0,
                 "prefetch": {"precision": p["correct"] / p["predicted"] if p["predicted"] else None,

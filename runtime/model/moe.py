@@ -189,7 +189,6 @@ class MoEModel:
         for k in list(dense):
             dense[k] = dense[k].to(device=device, dtype=dtype)
         self.w = dense
-        hd = cfg.head_dim
         inv_freq, self.rope_factor = rope_frequencies(cfg)
         self.inv_freq = inv_freq.to(device)
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cache_policy.keys import SCOPES
+from cache_policy.keys import LINKS, SCOPES, TIERS
 from cache_policy.placement import TieredPlacement
 from cache_policy.policies import LRU, POLICIES, check_policy_name
 
@@ -110,8 +110,8 @@ class DiskTier:
 
 @dataclass
 class StoreStats:
-    hits: dict = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    bytes: dict = field(default_factory=lambda: {"disk_to_host": 0, "host_to_device": 0})
+    hits: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))      # accesses served from each tier
+    bytes: dict = field(default_factory=lambda: dict.fromkeys(LINKS, 0))     # bytes moved over each link
     prefetch_loaded: int = 0
     stall_seconds: float = 0.0
     requests: int = 0

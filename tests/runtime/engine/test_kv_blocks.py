@@ -1,7 +1,6 @@
 """The KV cache in preallocated blocks: memory fixed at start, admission by free blocks, preemption
 (recompute) when out - and outputs equal to each request decoded alone with room to spare."""
 import pytest
-import torch
 
 from runtime.engine import Engine, SamplingParams
 from runtime.model import load_model

@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from runtime.engine import Engine, SamplingParams
-from runtime.model import Sequence, load_model
+from runtime.model import load_model
 from runtime.store import Manifest
+
+from helpers import check_against_transformers
 
 
 def budgets(store_dir, frac):
@@ -15,26 +17,7 @@ def budgets(store_dir, frac):
 @pytest.mark.parametrize("frac", [1.0, 0.1])
 def test_logits_and_greedy_tokens_match(hf_model, frac):
     name, ref, hf_dir, store_dir = hf_model
-    prompt = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want = ref(prompt).logits[0]                                    # want: [10, vocab]
-    model, store = load_model(store_dir, expert_budget=budgets(store_dir, frac))
-    try:
-        # Every position: feed the prompt one chunk at a time and compare each last-token logit.
-        s = Sequence()
-        got = torch.stack([model.forward([s], [[t]])[0] for t in prompt[0].tolist()])
-        assert (got - want).abs().max().item() < 1e-4, name
-        with torch.no_grad():
-            gen = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                               min_new_tokens=32, eos_token_id=None, pad_token_id=None)[0, 10:].tolist()
-        eng = Engine(model, store, max_batch=1, prefill_chunk=4)
-        rid = eng.add_request(prompt[0].tolist(), SamplingParams(max_tokens=32, ignore_eos=True))
-        eng.run()
-        assert eng.done[rid].output == gen, name
-        if frac < 1:
-            assert store.stats.hits["device"] < sum(store.stats.hits.values())   # offloading really happened
-    finally:
-        store.close()
+    check_against_transformers(ref, store_dir, frac, name)
 
 
 def test_batched_decode_equals_alone(hf_model):

@@ -17,6 +17,8 @@ from runtime.model.convert import convert
 from runtime.quant import ExpertCodec, blob_tensor_specs, expert_weight_specs, get_format
 from runtime.store import Manifest
 
+from helpers import check_against_transformers  # noqa: E402
+
 
 def _model_conftest():
     """build_hf from this folder's conftest (conftest modules are not importable by name)."""
@@ -281,26 +283,7 @@ def test_released_layouts_match_transformers(released, frac):
     assert m.expert_format == fmt and rep.source.startswith("shipped")
     # the blob holds the quantized bytes as shipped: fewer than 2 bytes a parameter
     assert m.blob_bytes < sum(math.prod(w.shape) for w in m.weights) * 2
-    prompt = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want = ref(prompt).logits[0]
-    budget = max(4, int(frac * m.num_layers * m.num_experts)) * m.blob_stride
-    model, store = load_model(store_dir, expert_budget=budget)
-    try:
-        s = Sequence()
-        got = torch.stack([model.forward([s], [[t]])[0] for t in prompt[0].tolist()])
-        assert (got - want).abs().max().item() < 1e-4, name
-        with torch.no_grad():
-            gen = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                               min_new_tokens=32, eos_token_id=None, pad_token_id=None)[0, 10:].tolist()
-        eng = Engine(model, store, max_batch=1, prefill_chunk=4)
-        rid = eng.add_request(prompt[0].tolist(), SamplingParams(max_tokens=32, ignore_eos=True))
-        eng.run()
-        assert eng.done[rid].output == gen, name
-        if frac < 1:
-            assert store.stats.hits["device"] < sum(store.stats.hits.values())
-    finally:
-        store.close()
+    check_against_transformers(ref, store_dir, frac, name)
 
 
 def test_shipped_bytes_are_stored_unchanged(released):
