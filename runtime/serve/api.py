@@ -378,7 +378,10 @@ class _Sink:
         self.loop, self.q = loop, q
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+        except RuntimeError:   # the server's loop is closed (shutting down): nobody waits for this any more
+            pass
 
 
 def _json(status: int, body, headers=None):

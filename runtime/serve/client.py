@@ -156,7 +156,10 @@ class EngineClient:
                     return
                 self._last_heard = time.monotonic()
                 if msg["type"] == "step":
-                    self._dispatch(msg)
+                    try:
+                        self._dispatch(msg)
+                    except Exception as e:  # noqa: BLE001 - the receiver is also the supervisor: it must live
+                        print(f"tiered-moe: dropped an engine message: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
             if self.proc.poll() is not None:
                 self._engine_died(f"the engine process exited (code {self.proc.returncode})")

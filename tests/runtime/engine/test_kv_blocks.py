@@ -77,3 +77,19 @@ def test_kv_budget_from_load_model_and_admission_by_free_blocks(store):
         assert all(len(r.output) == 4 for r in eng.done.values())
     finally:
         st.close()
+
+
+def test_expert_aware_schedule_with_a_tight_cache(store):
+    """More active requests than the batch, blocks short: preemption and admission keep every
+    request's tokens equal to decoding it alone."""
+    want = run(store, 4096, 1)[0]
+    model, st = load_model(store)
+    try:
+        model.init_kv(10 * 8 * model.kv_bytes_per_token(), block_size=8)
+        eng = Engine(model, st, max_batch=2, prefill_chunk=8, schedule="expert-aware", max_active=4)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
+        eng.run()
+        assert [eng.done[i].output for i in ids] == want
+        assert model.kv.free_blocks == model.kv.num_blocks
+    finally:
+        st.close()
