@@ -147,12 +147,13 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
                     if o.finished:
                         eng.done.pop(o.request_id, None)
                         iid_of.pop(rid_of.pop(o.request_id), None)
-                rec = eng.steps.pop()
+                rec = eng.steps.pop() if eng.steps else None   # a step that ran nothing records nothing
                 eng.steps.clear()   # a server runs forever: records go out, not into a list
-                record = asdict(rec)
-                record["mean_unique_experts"] = sum(rec.unique_experts) / max(1, len(rec.unique_experts))
-                del record["unique_experts"]
-                if failed:
+                if rec is not None:
+                    record = asdict(rec)
+                    record["mean_unique_experts"] = sum(rec.unique_experts) / max(1, len(rec.unique_experts))
+                    del record["unique_experts"]
+                if failed and rec is not None:
                     print(f"tiered-moe engine: step {rec.step} failed {len(failed)} request(s): {failed[0][1]}",
                           file=sys.stderr)
             now = time.monotonic()
