@@ -30,20 +30,27 @@ def sh(*args, timeout=600, check=True, **kw):
     return r
 
 
+def daemon_up() -> bool:
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:      # a stale socket with no daemon behind it
+        return False
+
+
 @pytest.fixture(scope="module")
 def docker():
     """A reachable Docker daemon: the running one, or one started here (root) and stopped after."""
     if shutil.which("docker") is None:
         pytest.skip("no docker client (Debian's docker.io; tests/install_docker.sh installs it)")
     proc = None
-    if subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0:
+    if not daemon_up():
         if shutil.which("dockerd") is None or os.geteuid() != 0:
             pytest.skip("no Docker daemon, and none can be started here (needs dockerd and root)")
         log = open(os.path.join("/tmp", "tiered-moe-dockerd.log"), "w")
         proc = subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false"],
                                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
-        while subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0:
+        while not daemon_up():
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
                 pytest.skip(f"dockerd did not start (see /tmp/tiered-moe-dockerd.log): exit {proc.poll()}")
