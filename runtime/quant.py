@@ -344,11 +344,20 @@ COST_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "mxfp4": "mxfp4", 
 QUANTIZE_CHOICES = {"mxfp4": "mxfp4", "int4": "int4", "fp8": "fp8_e4m3"}   # convert --quantize NAME -> format
 
 
+_INSTANCES: dict = {}
+
+
 def get_format(name: str, **params) -> WeightFormat:
-    f = FORMATS.get(name)
-    if f is None:
-        raise ValueError(f"weight format {name!r} is not supported; supported: {', '.join(FORMATS)}")
-    return f(**params)
+    """The format ``name`` with ``params``. Formats hold no per-call state, so one instance serves
+    every caller: building a lookup table takes ~1 ms, and conversion asks for a format per tensor."""
+    key = (name, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())))
+    fmt = _INSTANCES.get(key)
+    if fmt is None:
+        f = FORMATS.get(name)
+        if f is None:
+            raise ValueError(f"weight format {name!r} is not supported; supported: {', '.join(FORMATS)}")
+        fmt = _INSTANCES[key] = f(**params)
+    return fmt
 
 
 def dense_format_of(dtype: torch.dtype) -> WeightFormat:
@@ -447,6 +456,7 @@ class ExpertCodec:
         self.specs = {w.name: w for w in weights}
         self.dtype, self.device = dtype, torch.device(device)
         self.fmts = {w.name: w.fmt for w in weights}
+        self._keys = {w.name: [(p.suffix, f"{w.name}.{p.suffix}") for p in w.fmt.parts(w.shape)] for w in weights}
         self.quantized = any(f.quantized for f in self.fmts.values())
         self.fused = "gate_up" in self.specs
         if not self.fused and not {"gate", "up"} <= set(self.specs):
@@ -481,7 +491,7 @@ class ExpertCodec:
 
     def _deq(self, name: str, views: dict, out: torch.Tensor) -> None:
         fmt = self.fmts[name]
-        parts = {k.split(".", 1)[1]: v for k, v in views.items() if k.split(".", 1)[0] == name}
+        parts = {suffix: views[key] for suffix, key in self._keys[name]}
         if isinstance(fmt, _Lut16) and self._idx is not None:
             fmt.dequantize(parts, out, self._idx)
         else:

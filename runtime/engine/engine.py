@@ -331,8 +331,7 @@ class Engine:
             msg = f"{type(e).__name__}: {e}"
             out = [self._fail(r, msg) for r in batch]
             self._pred.clear()
-            if hasattr(self.store, "recover"):
-                self.store.recover()       # no expert whose load failed stays resident
+            self.store.recover()           # no expert whose load failed stays resident
             self.store.end_step()
             self._record_step(before, chunks, [], t0, failed=len(batch))
             return out

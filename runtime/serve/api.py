@@ -591,17 +591,11 @@ class _Stream:
         a, ev = self.srv, self.ev
         created = int(time.time())
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        gone = asyncio.Event()
-
-        async def listen():
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    gone.set()
-                    return
+        # The disconnect watch the events loop checks while it waits (as for a non-streaming request).
+        watch = ev.watch = asyncio.ensure_future(_disconnect(receive))
 
         async def event(data) -> None:
-            if gone.is_set():
+            if watch.done():
                 raise _ClientGone()
             payload = b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
             try:
@@ -622,7 +616,6 @@ class _Stream:
                 out["usage"] = None
             return out
 
-        listener = asyncio.ensure_future(listen())
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -630,19 +623,7 @@ class _Stream:
             if self.chat:
                 await event(chunk("", None, first=True))
             try:
-                it = ev.__aiter__()
-                while True:
-                    nxt = asyncio.ensure_future(it.__anext__())
-                    waiter = asyncio.ensure_future(gone.wait())
-                    await asyncio.wait([nxt, waiter], return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
-                    if not nxt.done():
-                        nxt.cancel()
-                        raise _ClientGone()
-                    try:
-                        delta, finish = nxt.result()
-                    except StopAsyncIteration:
-                        break
+                async for delta, finish in ev:
                     if delta or finish:
                         await event(chunk(delta, finish))
                     if finish:
@@ -658,7 +639,7 @@ class _Stream:
         except (_ClientGone, OSError):
             pass
         finally:
-            listener.cancel()
+            watch.cancel()
             ev.close()
 
 
