@@ -9,7 +9,11 @@
 4. Quantized experts (issue 9): dequantize + one-token matmul of a K3-shaped MXFP4 expert
    (3584 x 3072 SwiGLU) with ``ExpertCodec`` against the transfer time it saves over bf16 at the
    GB/s of (2); goal: dequant <= 0.5x the saving. Also the same for INT4 and FP8.
-5. The cuda-marked tests.
+5. Hybrid execution (issue 11): batch-1 decode with 25% of experts on the device, transfer-only
+   vs hybrid (``--cpu-experts auto``: the cost model computes some misses on the host CPU) vs all
+   resident; and one K3-shaped bf16 expert timed on the host CPU at one token against the h200
+   profile's prediction (goal: within 25%).
+6. The cuda-marked tests.
 Writes $OUT/gpu_check.json (or bench/results/gpu_check.json) and prints it.
 
 ``--dry-run`` runs every step on the CPU at toy sizes (no pinned memory, wall-clock timing, no
@@ -121,9 +125,9 @@ def main():
     convert(hf, store)
     m = Manifest.read(store)
 
-    def run(frac, prefetch):
+    def run(frac, prefetch, **kw):
         model, st = load_model(store, expert_budget=max(2, int(frac * m.num_layers * m.num_experts)) * m.blob_stride,
-                               device=dev)
+                               device=dev, **kw)
         try:
             eng = Engine(model, st, max_batch=1, prefill_chunk=8, prefetch=prefetch)
             eng.add_request(list(range(8)), SamplingParams(max_tokens=16 if dry else 48, ignore_eos=True))
@@ -162,7 +166,26 @@ def main():
         R["quantized"][name] = {"bytes": qbytes, "dequant_us": deq * 1e6, "dequant_plus_matmul_us": full * 1e6,
                                 "transfer_saved_us": saved * 1e6, "dequant_vs_saved": deq / saved,
                                 "goal_met": deq <= 0.5 * saved}
-    # 5. cuda tests
+    # 5. hybrid execution: transfer-only vs the cost model's split vs all resident, batch 1
+    moved_only, _ = run(0.25, "none")
+    hybrid, hybrid_moved = run(0.25, "none", cpu_experts="auto", profile="h200")
+    from cache_policy.cost_model import expert_params, load_profile
+    Hk, Ik = (256, 128) if dry else (3584, 3072)
+    g = torch.Generator().manual_seed(0)
+    wgu = (torch.randn(Hk, 2 * Ik, generator=g) * 0.02).to(torch.bfloat16)     # input-major, as the store keeps it
+    wd = (torch.randn(Ik, Hk, generator=g) * 0.02).to(torch.bfloat16)
+    xh = torch.randn(1, Hk, generator=g).to(torch.bfloat16)
+
+    def host_expert():
+        h = xh @ wgu
+        return (torch.nn.functional.silu(h[:, :Ik]) * h[:, Ik:]) @ wd
+    host_s = Clock(False).time(host_expert, 20)
+    pred = float(load_profile("h200").host_compute_seconds(1, expert_params(Hk, Ik)))
+    R["hybrid"] = {"transfer_only_ms": moved_only * 1e3, "hybrid_ms": hybrid * 1e3, "resident_ms": compute * 1e3,
+                   "hybrid_h2d_MB_per_step": hybrid_moved / 1e6, "hybrid_vs_transfer_only": moved_only / hybrid,
+                   "host_threads": torch.get_num_threads(), "host_expert_us_measured": host_s * 1e6,
+                   "host_expert_us_predicted": pred * 1e6, "prediction_within_25pct": abs(host_s - pred) <= 0.25 * host_s}
+    # 6. cuda tests
     if dry:
         R["cuda_tests"] = "skipped (dry run)"
     else:

@@ -120,6 +120,9 @@ def main():
         "expert_compute_cite": "SwiGLU expert, torch float32, all cores, median of 7",
         "reference_expert": {"hidden": hidden, "intermediate": inter, "dtype": "fp32",
                              "params": 3 * hidden * inter},
+        "host_concurrent": False,
+        "host_concurrent_cite": "CPU-only: the device tier is host memory and the same cores compute both; host "
+                                "compute is the expert_compute curve",
         "non_expert_us_per_layer": 0.0,
     }
     with open(a.out, "w") as f:

@@ -2,8 +2,10 @@
 
 Device capacity 10% / 20% / 50% of all experts, scopes layer and global, batch 1 / 8 / 64, host
 tier holding every expert. `static` is fitted on the replayed trace itself (an optimistic
-profile); prefetchers run on LRU, `transition` learned online. Writes a markdown table and the
-raw JSON rows.
+profile); `reuse` learns online (no fit); prefetchers run on LRU, `transition` learned online,
+under the cost rule (the default: a prediction moves only when it is expected to pay);
+`lru+hybrid` is LRU with `--cpu-experts auto`. Each cell: device hit rate and projected tokens/s
+(h200 profile, K3-sized bf16 experts). Writes a markdown table and the raw JSON rows.
 
 Usage: python bench/policy_table.py [--traces a.npz,b.npz] [--jobs 2] [--out bench/results/policy_table]
 """
@@ -20,8 +22,9 @@ sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "traces")
 DEFAULT = ",".join(os.path.join(SHARED, f) for f in ("deepseek-v2-lite-train.npz", "flame-moe-290m.npz"))
 
+# (policy, prefetcher); "hybrid" in the prefetcher's place: --cpu-experts auto without prefetch.
 COLUMNS = [("none", "none"), ("lru", "none"), ("lfu", "none"), ("freq", "none"), ("static", "none"),
-           ("lru", "freq"), ("lru", "transition"), ("belady", "none")]
+           ("reuse", "none"), ("lru", "transition"), ("lru", "hybrid"), ("belady", "none")]
 CAPS = ("0.1", "0.2", "0.5")
 SCOPES = ("layer", "global")
 BATCHES = (1, 8, 64)
@@ -32,7 +35,9 @@ def run_one(job):
     from cache_policy.traces import load_trace
     path, policy, prefetch, scope, cap, batch = job
     tr = load_trace(path)
-    r = replay_batch(tr, ReplayConfig(policy=policy, prefetch=prefetch, scope=scope, device_capacity=cap), batch)
+    hybrid = prefetch == "hybrid"
+    r = replay_batch(tr, ReplayConfig(policy=policy, prefetch="none" if hybrid else prefetch, scope=scope,
+                                      device_capacity=cap, cpu_experts="auto" if hybrid else "0"), batch)
     keep = ("policy", "prefetch", "scope", "device_capacity", "batch", "hit_rate", "unique_experts_per_layer_step",
             "prefetch_stats", "accesses", "wall_seconds", "bytes_per_token", "projected_tokens_per_s", "waves")
     return {"trace": os.path.basename(path), **{k: r[k] for k in keep}}
@@ -61,11 +66,15 @@ def main():
     with open(a.out + ".md", "w") as f:
         f.write(f"# Device hit rate by policy, capacity, scope and batch\n\nCommand: `{cmd}` ({wall / 60:.1f} min on "
                 f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}). Raw rows: `policy_table.json`.\n\n"
-                "Device hit rate = device hits / needed (step, layer, expert). The host tier holds every expert. "
-                "`static` is fitted on the replayed trace (optimistic). `+freq` / `+transition`: LRU with that "
-                "prefetcher (budget top-k per layer per step; transition learned online); `belady` is the offline "
-                "optimum for demand loading (prefetch columns may exceed it: they load more). `uniq` = mean unique "
-                "experts per layer per step; `pf prec` = used / issued prefetches of LRU+transition.\n\n")
+                "Each cell: device hit rate / projected tokens/s (h200 profile, Kimi K3-sized bf16 experts; judge by "
+                "the second number). Device hit rate = device hits / needed (step, layer, expert). The host tier holds "
+                "every expert. `static` is fitted on the replayed trace (optimistic); `reuse` learns online. "
+                "`lru+transition`: LRU with the transition prefetcher (learned online, budget top-k per layer per step) "
+                "under the default cost rule, which moves a prediction only when it is expected to pay "
+                "(bench/results/prefetch_pays.md compares the old always-prefetch rule); `lru+hybrid`: LRU with "
+                "`--cpu-experts auto` (misses computed on the host CPU when the cost model says so: fewer hits, more "
+                "tokens/s); `belady` is the offline optimum for demand loading. `uniq` = mean unique experts per layer "
+                "per step; `pf prec` = used / issued prefetches of LRU+transition.\n\n")
         for trace in sorted({r["trace"] for r in rows}):
             f.write(f"## {trace}\n\n")
             head = ["scope", "capacity", "batch", "uniq"] + [p if pf == "none" else f"{p}+{pf}" for p, pf in COLUMNS] + ["pf prec"]
@@ -81,7 +90,8 @@ def main():
                         cells = [s, f"{float(c):.0%}", str(b), f"{any_r['unique_experts_per_layer_step']:.1f}"]
                         for col in COLUMNS:
                             r = sel.get(col)
-                            cells.append("-" if r is None else f"{r['hit_rate']['device']:.3f}")
+                            cells.append("-" if r is None else
+                                         f"{r['hit_rate']['device']:.3f} / {r['projected_tokens_per_s']:.1f}")
                         tr = sel.get(("lru", "transition"))
                         prec = tr and tr["prefetch_stats"]["precision"]
                         cells.append("-" if prec is None else f"{prec:.2f}")

@@ -104,6 +104,46 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class CpuExperts:
+    """Where experts not on the device are computed (``--cpu-experts``).
+
+    ``0`` (off): every needed expert is moved to the device and computed there.
+    ``N``: every expert of the first N MoE layers lives on the host and is computed there
+    (llama.cpp's --n-cpu-moe); the rest as with 0.
+    ``auto``: per expert per step, the cost model decides between moving an expert and computing
+    it on the host CPU from its host-tier slot (``cost_model.HybridCost``).
+    """
+    auto: bool = False
+    layers: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.auto or self.layers > 0
+
+    def __str__(self) -> str:
+        return "auto" if self.auto else str(self.layers)
+
+    @staticmethod
+    def parse(value: "str | int | CpuExperts", num_layers: "int | None" = None,
+              flag: str = "--cpu-experts") -> "CpuExperts":
+        if isinstance(value, CpuExperts):
+            c = value
+        else:
+            s = str(value).strip().lower()
+            if s == "auto":
+                c = CpuExperts(auto=True)
+            elif s in ("", "off", "none"):
+                c = CpuExperts()
+            elif re.fullmatch(r"[0-9]+", s):
+                c = CpuExperts(layers=int(s))
+            else:
+                raise ValueError(f"{flag}: {value!r} is neither 'auto' nor a number of MoE layers")
+        if num_layers is not None and c.layers > num_layers:
+            raise ValueError(f"{flag} {c.layers}: the model has {num_layers} MoE layers")
+        return c
+
+
+@dataclass(frozen=True)
 class Tier:
     """One level of the hierarchy: its name, the link that fills it, what it is."""
     name: str

@@ -15,15 +15,30 @@ Semantics (kept exact so results compare with independent implementations):
 - Tiers are inclusive: the host tier holds everything the device tier holds (a host eviction of
   a device-resident expert also drops the device copy), the disk tier holds every expert.
 - Pools: scope ``layer`` gives each layer its own pool of C slots; ``global`` one pool of C slots.
+- Hybrid execution: with a ``hybrid`` rule (``cost_model.HybridCost``) a needed expert that is on
+  the host but not on the device may be computed on the host instead of moved; it is then not
+  loaded into the device tier (the policy hears of it through ``on_bypass``) and counts as a
+  device miss served by the host. ``cpu_layers`` = N computes every expert of the first N MoE
+  layers on the host (llama.cpp's --n-cpu-moe): they never take a device slot.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from .keys import SCOPES
 from .policies import EvictionPolicy
 
 _EMPTY: tuple = ()
+
+
+class Access(NamedTuple):
+    """Counts of one demand access (a tuple, so the replay loop stores it as it is)."""
+    device_hits: int
+    host_hits: int         # device misses the host served: moved, or computed there
+    disk_loads: int
+    waves: int
+    prefetch_used: int
+    host_computed: int     # of host_hits, computed on the host (hybrid execution)
 
 
 class Pool:
@@ -50,6 +65,19 @@ class Pool:
         self.resident.difference_update(ev)
         return ev
 
+    def evict_for(self, n_new: int, keys) -> "list | tuple":
+        """Room for ``n_new`` loads of a group that fits the pool: the policy's victims, never a
+        key of the group; they leave ``resident``."""
+        over = len(self.resident) + n_new - self.capacity
+        if over <= 0:
+            return _EMPTY
+        # A short group is searched as a list: cheaper than building a set for it.
+        evicted = self.policy.evict(over, keys if len(keys) <= 16 else set(keys))
+        if len(evicted) != over:
+            raise RuntimeError(f"policy {self.policy.name} found {len(evicted)} of {over} evictable experts")
+        self.resident.difference_update(evicted)
+        return evicted
+
     def access(self, keys: Sequence[int], t: int, aux=None, detail: bool = True):
         """Demand access of one group. Returns (n_hits, misses, evicted, waves); ``misses`` is
         the list of loaded keys, or None when ``detail`` is off and the policy's fast path ran."""
@@ -74,14 +102,7 @@ class Pool:
         if hits:
             policy.on_hit(hits, t, aux_h)
         if len(keys) <= cap:
-            evicted = _EMPTY
-            over = len(res) + len(misses) - cap
-            if over > 0:
-                # A short group is searched as a list: cheaper than building a set for it.
-                evicted = policy.evict(over, keys if len(keys) <= 16 else set(keys))
-                if len(evicted) != over:
-                    raise RuntimeError(f"policy {policy.name} found {len(evicted)} of {over} evictable experts")
-                res.difference_update(evicted)
+            evicted = self.evict_for(len(misses), keys)
             res.update(misses)
             policy.on_insert(misses, t, aux_m)
             return len(hits), misses, evicted, 1
@@ -146,7 +167,8 @@ class TieredPlacement:
     def __init__(self, *, num_layers: int, num_experts: int, scope: str,
                  device_slots: int, host_slots: "int | None",
                  policy_factory: Callable[[], EvictionPolicy],
-                 host_policy_factory: "Callable[[], EvictionPolicy] | None" = None) -> None:
+                 host_policy_factory: "Callable[[], EvictionPolicy] | None" = None,
+                 hybrid=None, cpu_layers: int = 0) -> None:
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
         self.num_layers, self.num_experts, self.scope = num_layers, num_experts, scope
@@ -156,9 +178,11 @@ class TieredPlacement:
                              f"({device_slots} slots); tiers are inclusive, the host must hold at least the device's experts")
 
         def pools(slots, factory):
+            def make():  # the policy learns the geometry (flat key = layer * E + expert) here
+                return factory().bind(num_layers=num_layers, num_experts=num_experts, scope=scope)
             if scope == "layer":
-                return [Pool(slots, factory()) for _ in range(num_layers)]
-            return [Pool(slots, factory())] * num_layers  # one shared pool, indexed by layer
+                return [Pool(slots, make()) for _ in range(num_layers)]
+            return [Pool(slots, make())] * num_layers  # one shared pool, indexed by layer
 
         self.device = pools(device_slots, policy_factory)
         full = host_slots is None or (host_slots >= (num_experts if scope == "layer" else num_layers * num_experts))
@@ -168,6 +192,11 @@ class TieredPlacement:
         self.prefetch_from_disk = 0
         self.back_invalidations = 0
         self.device_evictions = self.host_evictions = 0
+        if not 0 <= cpu_layers <= num_layers:
+            raise ValueError(f"cpu_layers must be in [0, {num_layers}] (MoE layers), got {cpu_layers}")
+        self.hybrid, self.cpu_layers = hybrid, cpu_layers
+        self.host_computed = 0
+        self.last_host: list = []   # keys of the last access computed on the host
 
     def unique_pools(self, tier: str = "device") -> list:
         pools = self.device if tier == "device" else (self.host or [])
@@ -213,29 +242,76 @@ class TieredPlacement:
                     pend.discard(k)
                     self.prefetch_wasted += 1
 
-    def access(self, layer: int, keys: Sequence[int], t: int, aux=None):
-        """Demand access of one group. Returns (device_hits, host_hits, disk_loads, waves, prefetch_used)."""
-        n_hits, _, evicted, waves = self.device[layer].access(keys, t, aux, False)
-        used = self._take_pending(keys) if self.pending else 0
+    def _split_host(self, layer: int, keys, t: int, aux, counts, queued: float):
+        """Hybrid execution: remove from a group the experts computed on the host. Returns the
+        keys (and aux) the device tier serves, and the host-computed keys."""
+        if layer < self.cpu_layers:
+            host_keys, dev_keys, dev_aux = list(keys), [], None if aux is None else []
+        else:
+            res = self.device[layer].resident
+            hres = None if self.host is None else self.host[layer].resident
+            cnt = counts if counts is not None else [1] * len(keys)
+            hit_counts, miss_pos, forced = [], [], 0
+            for i, k in enumerate(keys):
+                if k in res:
+                    hit_counts.append(cnt[i])
+                elif hres is None or k in hres:
+                    miss_pos.append(i)
+                else:
+                    forced += 1     # on disk only: it crosses the link whatever we decide
+            if not miss_pos:
+                self.last_host = []
+                return keys, aux, []
+            sel = self.hybrid.split(hit_counts, [cnt[i] for i in miss_pos], queued + forced * self.hybrid.t_link)
+            if not sel:
+                self.last_host = []
+                return keys, aux, []
+            hp = {miss_pos[j] for j in sel}
+            host_keys = [keys[i] for i in sorted(hp)]
+            dev_keys = [k for i, k in enumerate(keys) if i not in hp]
+            dev_aux = None if aux is None else [a for i, a in enumerate(aux) if i not in hp]
+        if host_keys:
+            hs = set(host_keys)
+            self.device[layer].policy.on_bypass(host_keys, t, None if aux is None else
+                                                [a for k, a in zip(keys, aux) if k in hs])
+        self.host_computed += len(host_keys)
+        self.last_host = host_keys
+        return dev_keys, dev_aux, host_keys
+
+    def access(self, layer: int, keys: Sequence[int], t: int, aux=None, counts=None, queued: float = 0.0):
+        """Demand access of one group. Returns its ``Access`` counts. ``counts``: tokens per key (hybrid decisions); ``queued``: link
+        seconds already queued for this layer (its prefetches)."""
+        n_host = 0
+        dev_keys, dev_aux = keys, aux
+        if self.hybrid is not None or layer < self.cpu_layers:
+            dev_keys, dev_aux, host_keys = self._split_host(layer, keys, t, aux, counts, queued)
+            n_host = len(host_keys)
+        n_hits, _, evicted, waves = self.device[layer].access(dev_keys, t, dev_aux, False)
+        used = self._take_pending(dev_keys) if self.pending else 0
         if evicted:
             self.device_evictions += len(evicted)
             self._note_evicted(evicted)
         if self.host is None:
-            return n_hits, len(keys) - n_hits, 0, waves, used
+            return Access(n_hits, len(keys) - n_hits, 0, waves, used, n_host)
         _, hmiss, hev, _ = self.host[layer].access(keys, t, aux, True)
         if hev:
             self.host_evictions += len(hev)
             self._back_invalidate(hev)
-        return n_hits, len(keys) - n_hits - len(hmiss), len(hmiss), waves, used
+        return Access(n_hits, len(keys) - n_hits - len(hmiss), len(hmiss), waves, used, n_host)
 
-    def access_detail(self, layer: int, keys: Sequence[int], t: int, aux=None) -> dict:
+    def access_detail(self, layer: int, keys: Sequence[int], t: int, aux=None, counts=None,
+                      queued: float = 0.0) -> dict:
         """Like ``access`` but names the experts: for the live store, which must move them.
-        Returns misses (to bring to the device), from_disk (of those, not on the host), and the
-        keys evicted from each tier."""
+        Returns misses (to bring to the device), from_disk (of those, not on the host), host
+        (computed on the host from its slot, not moved) and the keys evicted from each tier."""
+        host_keys = []
+        dev_keys, dev_aux = keys, aux
+        if self.hybrid is not None or layer < self.cpu_layers:
+            dev_keys, dev_aux, host_keys = self._split_host(layer, keys, t, aux, counts, queued)
         dev = self.device[layer]
-        n_hits, misses, evicted, waves = dev.access(keys, t, aux, True)
+        n_hits, misses, evicted, waves = dev.access(dev_keys, t, dev_aux, True)
         evicted = list(evicted)
-        used = self._take_pending(keys) if self.pending else 0
+        used = self._take_pending(dev_keys) if self.pending else 0
         self.device_evictions += len(evicted)
         self._note_evicted(evicted)
         from_disk, host_evicted = [], []
@@ -245,7 +321,7 @@ class TieredPlacement:
                 self.host_evictions += len(host_evicted)
                 evicted += self._back_invalidate(host_evicted)
         return {"hits": n_hits, "misses": misses, "from_disk": list(from_disk), "device_evicted": evicted,
-                "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used,
+                "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used, "host": host_keys,
                 "wave_plan": dev.last_waves if waves > 1 else None}
 
     def _take_pending(self, keys) -> int:

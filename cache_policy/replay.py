@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import cost_model as cm
-from .keys import SCOPES, Capacity
+from .keys import SCOPES, Capacity, CpuExperts
 from .placement import TieredPlacement
-from .policies import LFU, LRU, Belady, Freq, NoCache, Static, check_policy_name
-from .prefetch import OraclePrefetcher, make_prefetcher
+from .policies import LFU, LRU, Belady, Freq, NoCache, Reuse, ReuseStats, Static, check_policy_name
+from .prefetch import OraclePrefetcher, PrefetchGate, make_prefetcher
 from .traces import Groups, Trace, build_groups, continuous_batches
+
+
+PREFETCH_RULES = ("cost", "always")
 
 
 @dataclass
@@ -33,11 +36,18 @@ class ReplayConfig:
     expert_bytes: "int | None" = None        # overrides geometry x dtype
     lfu_half_life: float = 1024.0
     freq_ema: float = 0.05
+    reuse_cross_weight: float = 0.0          # reuse: weight of the cross-layer prediction for the next layer
+    reuse_gamma: float = 0.0                 # reuse: discount per step of a later use
     fit_trace: "Trace | None" = field(default=None, repr=False)  # static profile / transition fit
     transition_model: "str | None" = None
+    cpu_experts: str = "0"                   # 0 | N (first N MoE layers on the host) | auto (cost model)
+    prefetch_rule: str = "cost"              # cost: only prefetches expected to pay (PrefetchGate); always
 
     def __post_init__(self) -> None:
         check_policy_name(self.policy)
+        self._cpu = CpuExperts.parse(self.cpu_experts)
+        if self.prefetch_rule not in PREFETCH_RULES:
+            raise ValueError(f"unknown prefetch rule {self.prefetch_rule!r}; choose one of {', '.join(PREFETCH_RULES)}")
         if self.scope not in SCOPES:
             raise ValueError(f"unknown scope {self.scope!r}; choose one of {', '.join(SCOPES)}")
         self._device = Capacity.parse(self.device_capacity, "--device-capacity")
@@ -108,7 +118,7 @@ def device_slots_for(trace: Trace, cfg: ReplayConfig, nbytes: int) -> "tuple[int
     return dev, host
 
 
-def make_policy_factory(trace: Trace, cfg: ReplayConfig, future=None):
+def make_policy_factory(trace: Trace, cfg: ReplayConfig, future=None, batch: int = 1):
     name = cfg.policy
     if name == "lru":
         return LRU
@@ -127,6 +137,16 @@ def make_policy_factory(trace: Trace, cfg: ReplayConfig, future=None):
         return lambda: Static(prof)
     if name == "belady":
         return lambda: Belady(future)
+    if name == "reuse":
+        if cfg.fit_trace is None:
+            # No fit: it learns online, as on a live store.
+            return lambda: Reuse(cross_weight=cfg.reuse_cross_weight, gamma=cfg.reuse_gamma)
+        src = cfg.fit_trace
+        if (src.num_layers, src.num_experts) != (trace.num_layers, trace.num_experts):
+            raise ValueError(f"--fit-trace {src.source} has {src.num_layers} layers x {src.num_experts} experts, "
+                             f"the replayed trace {trace.num_layers} x {trace.num_experts}")
+        stats = ReuseStats.fit(src, batch)   # group statistics mean what they mean at this batch
+        return lambda: Reuse(stats, cross_weight=cfg.reuse_cross_weight, gamma=cfg.reuse_gamma)
     raise AssertionError(name)  # check_policy_name already refused anything else
 
 
@@ -158,24 +178,34 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     groups = build_groups(trace, sched)
     G = len(groups.ptr) - 1
     future = _Future(groups) if (cfg.policy == "belady" or cfg.prefetch == "oracle") else None
-    factory = make_policy_factory(trace, cfg, future)
+    factory = make_policy_factory(trace, cfg, future, batch)
     host_factory = LRU if cfg.policy == "none" else factory
+    prof = cfg._profile
+    nbytes, params = size["bytes"], size["params"]
+    cost = cm.HybridCost(prof, params, nbytes)
+    if cfg._cpu.layers > L:
+        raise ValueError(f"--cpu-experts {cfg._cpu.layers}: the trace has {L} MoE layers")
     place = TieredPlacement(num_layers=L, num_experts=E, scope=cfg.scope, device_slots=dev_slots,
-                            host_slots=host_slots, policy_factory=factory, host_policy_factory=host_factory)
+                            host_slots=host_slots, policy_factory=factory, host_policy_factory=host_factory,
+                            hybrid=cost if cfg._cpu.auto else None, cpu_layers=cfg._cpu.layers)
     warm = place.warm_start()
     pf = make_prefetcher(cfg.prefetch, num_layers=L, num_experts=E,
                          fit_trace=cfg.fit_trace if cfg.prefetch == "transition" else None,
                          model_path=cfg.transition_model)
     budget = cfg.prefetch_budget or k
+    gate = None
+    if pf is not None and cfg.prefetch_rule == "cost":
+        gate = PrefetchGate(budget, cost.t_link, cost.prefetch_saving(cfg._cpu.auto))
     wants = factory().wants if cfg.policy != "belady" else "next_use"
     aux_all = groups.weights() if wants == "weights" else (groups.next_use() if wants == "next_use" else None)
     weights_all = groups.weights() if pf is not None else None
-    rec = array("q")              # flat, per group: device hits, host hits, disk loads, waves, prefetch used
+    rec = array("q")              # flat, per group: device hits, host hits, disk loads, waves, prefetch used, host computed
     pref = np.zeros((G + 1, 2), dtype=np.int64)   # prefetch loads landing for group g: (from host, from disk)
+    host_sec = np.zeros((G + 1, 2))               # per group: host compute s, device compute s it replaced
     pred = [0, 0, 0]              # predicted & needed, predicted, needed
     ptr = groups.ptr.tolist()
     CH = 1 << 16
-    simple = pf is None and place.host is None and cfg.policy != "none"
+    simple = pf is None and place.host is None and cfg.policy != "none" and not cfg._cpu.enabled
     for c0 in range(0, G, CH):
         c1 = min(G, c0 + CH)
         pa, pb = ptr[c0], ptr[min(G, c1 + 1)]  # one group beyond, for prefetch scoring
@@ -185,28 +215,28 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
             _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec)
         else:
             wts = weights_all[pa:pb].tolist() if weights_all is not None else None
-            _general(place, pf, future, keys, aux, wts, ptr, pa, c0, c1, G, L, E, budget, rec, pref, pred)
+            cnts = groups.count[pa:pb].tolist()
+            _general(place, pf, gate, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget,
+                     rec, pref, pred, host_sec)
         if progress is not None:
             progress(c1, G)
     pred_hit, pred_n, pred_need = pred
     wall = time.perf_counter() - t_start
 
-    R = np.frombuffer(rec, dtype=np.int64).reshape(G, 5)
-    dev_hits, host_hits, disk, waves, used = R.T
+    R = np.frombuffer(rec, dtype=np.int64).reshape(G, 6)
+    dev_hits, host_hits, disk, waves, used, host_computed = R.T
     pref = pref[:G]
     sizes = np.diff(groups.ptr)
     acc = int(sizes.sum())
     dh, hh, dk = int(dev_hits.sum()), int(host_hits.sum()), int(disk.sum())
     dev_miss = acc - dh
     T = trace.num_tokens
-    nbytes, params = size["bytes"], size["params"]
     per_layer_acc = sizes.reshape(-1, L).sum(0)
     per_layer_dev = dev_hits.reshape(-1, L).sum(0)
     per_layer_host = host_hits.reshape(-1, L).sum(0)
-    h2d_experts = dev_miss + int(pref.sum())
+    n_host = int(host_computed.sum())
+    h2d_experts = dev_miss - n_host + int(pref.sum())
     disk_experts = dk + int(pref[:, 1].sum())
-
-    prof = cfg._profile
     # Compute time of an expert depends only on its token count (at most the batch): look it up.
     per_count = prof.compute_seconds(np.arange(int(groups.count.max()) + 1), params)
     if (groups.count == 1).all():
@@ -214,14 +244,16 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     else:
         gid = np.repeat(np.arange(G), sizes)
         compute = np.bincount(gid, weights=per_count[groups.count], minlength=G)
-    demand_h2d = sizes - dev_hits
-    times = cm.project_step_times(profile=prof, params=params, nbytes=nbytes, num_layers=L, compute_s=compute,
-                                  demand_h2d=demand_h2d, demand_disk=disk, pref_h2d=pref.sum(1), pref_disk=pref[:, 1])
     ideal = compute.reshape(-1, L).sum(1) + prof.non_expert_us_per_layer * 1e-6 * L
+    demand_h2d = sizes - dev_hits - host_computed
+    times = cm.project_step_times(profile=prof, params=params, nbytes=nbytes, num_layers=L,
+                                  compute_s=np.maximum(compute - host_sec[:G, 1], 0.0), demand_h2d=demand_h2d,
+                                  demand_disk=disk, pref_h2d=pref.sum(1), pref_disk=pref[:, 1], host_s=host_sec[:G, 0])
     issued, pused, wasted = place.prefetch_issued, place.prefetch_used, place.prefetch_wasted
     return {
         "trace": trace.source, "model": trace.model, "batch": int(batch), "policy": cfg.policy, "scope": cfg.scope,
         "prefetch": cfg.prefetch, "prefetch_budget": budget if pf is not None else 0,
+        "prefetch_rule": cfg.prefetch_rule if pf is not None else None, "cpu_experts": str(cfg._cpu),
         "device_capacity": cfg.device_capacity, "host_capacity": cfg.host_capacity or "all",
         "device_slots": dev_slots, "host_slots": host_slots if host_slots is not None else L * E if cfg.scope == "global" else E,
         "slots_are": "per layer" if cfg.scope == "layer" else "in total",
@@ -233,6 +265,8 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                                "host": (per_layer_host / np.maximum(per_layer_acc - per_layer_dev, 1)).tolist()},
         "unique_experts_per_layer_step": acc / G,
         "mean_batch": float(T / groups.num_steps),
+        "host_compute": {"experts": n_host, "share": n_host / acc,
+                         "seconds_per_token": float(host_sec[:G, 0].sum() / T)},
         "waves": {"groups_over_capacity": int((waves > 1).sum()), "extra_waves": int((waves - 1).sum())},
         "bytes_per_token": {"host_to_device": h2d_experts * nbytes / T, "disk_to_host": disk_experts * nbytes / T},
         "experts_moved": {"host_to_device": h2d_experts, "disk_to_host": disk_experts, "warm_start": warm},
@@ -240,7 +274,9 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                       "back_invalidations": place.back_invalidations},
         "prefetch_stats": {
             "issued": issued, "used": pused, "wasted": wasted, "unused_at_end": len(place.pending),
-            "wasted_bytes": wasted * nbytes,
+            "wasted_bytes": wasted * nbytes, "wasted_bytes_per_token": wasted * nbytes / T,
+            "gate_considered": gate.considered if gate is not None else None,
+            "gate_moved": gate.moved if gate is not None else None,
             "precision": (pused / issued) if issued else None,
             "recall": (pused / (pused + dev_miss)) if (pused + dev_miss) else None,
             "prediction_precision": (pred_hit / pred_n) if pred_n else None,
@@ -274,7 +310,7 @@ def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
         ev = LRU.run([(p.policy, p) for p in pools], keys, [x - pa for x in ptr[c0:c1 + 1]], c0 % L, hits)
         place.device_evictions += ev
         h = np.frombuffer(hits, dtype=np.int64)
-        block = np.zeros((c1 - c0, 5), dtype=np.int64)
+        block = np.zeros((c1 - c0, 6), dtype=np.int64)
         block[:, 0], block[:, 1], block[:, 3] = h, sizes - h, 1
         rec.frombytes(block.tobytes())
         return
@@ -286,7 +322,7 @@ def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
         n_hits, _, ev, waves = pools[layer].access(keys[a:b], t, aux[a:b] if aux is not None else None, False)
         if ev:
             evictions += len(ev)
-        out((n_hits, b - a - n_hits, 0, waves, 0))
+        out((n_hits, b - a - n_hits, 0, waves, 0, 0))
         layer += 1
         if layer == L:
             layer = 0
@@ -294,15 +330,34 @@ def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
     place.device_evictions += evictions
 
 
-def _general(place, pf, future, keys, aux, wts, ptr, pa, c0, c1, G, L, E, budget, rec, pref, pred):
+def _general(place, pf, gate, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget, rec, pref,
+             pred, host_sec):
     t, layer = divmod(c0, L)
     access = place.access
     out = rec.extend
+    devtab, hosttab = cost.tables(max(cnts) if cnts else 1)
+    t_link = cost.t_link
+    idle = type(cost).idle_link_seconds
+    queued = 0.0          # link seconds the prefetch for this group spills (the hybrid rule sees them)
+    hits = [0, 0]         # device hits, accesses so far: the prefetch rule's estimate of a displaced resident's reuse
     for g in range(c0, c1):
         a, b = ptr[g] - pa, ptr[g + 1] - pa
         ks = keys[a:b]
-        out(access(layer, ks, t, aux[a:b] if aux is not None else None))
+        cs = cnts[a:b]
+        r = access(layer, ks, t, aux[a:b] if aux is not None else None, cs, queued)
+        out(r)
+        n_host = r[5]
+        hk = ()
+        if n_host:
+            hk = set(place.last_host)
+            hs = hd = 0.0
+            for kk, c in zip(ks, cs):
+                if kk in hk:
+                    hs += hosttab[c]
+                    hd += devtab[c]
+            host_sec[g, 0], host_sec[g, 1] = hs, hd
         last = layer == L - 1
+        queued = 0.0
         if pf is not None:
             base = layer * E
             experts = [x - base for x in ks]
@@ -322,8 +377,26 @@ def _general(place, pf, future, keys, aux, wts, ptr, pa, c0, c1, G, L, E, budget
                 pred[2] += len(ns)
                 if last:
                     place.end_step()
+                if target < place.cpu_layers:
+                    pk = []           # computed on the host: never moved
+                elif gate is not None:
+                    # The link time this group leaves idle (the cost model's overlap formula).
+                    if hk:
+                        free = idle(cost, [c for kk, c in zip(ks, cs) if kk not in hk], b - a - r[0] - n_host,
+                                    [c for kk, c in zip(ks, cs) if kk in hk])
+                    else:
+                        free = idle(cost, cs, b - a - r[0])
+                    tp = place.device[target]
+                    hits[0] += r[0]
+                    hits[1] += b - a
+                    q = hits[0] / hits[1] if len(tp.resident) >= tp.capacity else 0.0
+                    sel = gate.select(pk, free, tp.resident, q)
+                    gate.observe(pk, ns)      # the outcome, learned after the decision
+                    pk = sel
                 # The group being computed is protected; after the last layer nothing is.
                 pref[g + 1] = place.prefetch(target, pk, t, set() if last else set(ks))
+                if gate is not None and pk:
+                    queued = max(0.0, float(pref[g + 1].sum()) * t_link - free)
             elif last:
                 place.end_step()
         elif last:

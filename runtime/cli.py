@@ -66,12 +66,14 @@ def format_table(results: list) -> str:
         ("policy", lambda r: r["policy"]),
         ("scope", lambda r: r["scope"]),
         ("prefetch", lambda r: r["prefetch"]),
+        ("cpu experts", lambda r: r["cpu_experts"]),
         ("dev slots", lambda r: f"{r['device_slots']}{'/layer' if r['scope'] == 'layer' else ''}"),
         ("dev %", lambda r: f"{100 * r['device_fraction']:.0f}"),
         ("dev hit", lambda r: _fmt(r["hit_rate"]["device"])),
         ("host hit", lambda r: _fmt(r["hit_rate"]["host"])),
         ("uniq/layer", lambda r: f"{r['unique_experts_per_layer_step']:.1f}"),
         ("waves", lambda r: str(r["waves"]["extra_waves"])),
+        ("on host", lambda r: f"{r['host_compute']['share']:.2f}"),
         ("h2d MB/tok", lambda r: f"{r['bytes_per_token']['host_to_device'] / 1e6:.1f}"),
         ("disk MB/tok", lambda r: f"{r['bytes_per_token']['disk_to_host'] / 1e6:.1f}"),
         ("pf prec", lambda r: _fmt(r["prefetch_stats"]["precision"], ".2f")),
@@ -83,7 +85,7 @@ def format_table(results: list) -> str:
     ]
     rows = [[c[0] for c in cols]] + [[f(r) for _, f in cols] for r in results]
     w = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-    lines = ["  ".join(cell.rjust(w[i]) if i >= 4 else cell.ljust(w[i]) for i, cell in enumerate(row)) for row in rows]
+    lines = ["  ".join(cell.rjust(w[i]) if i >= 5 else cell.ljust(w[i]) for i, cell in enumerate(row)) for row in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
     return "\n".join(lines)
 
@@ -95,7 +97,8 @@ def _footer(results: list) -> str:
             f"profile: {r['profile']} (h2d {r['projected']['h2d_GBps']:.1f} GB/s for one expert, "
             f"{r['projected']['h2d_ms_per_expert']:.3f} ms per copy); tokens/s are projections of expert "
             f"compute and transfers only (see cache_policy/cost_model.py)\n"
-            f"dev hit = device hits / needed experts; host hit = host hits / device misses")
+            f"dev hit = device hits / needed experts; host hit = host hits / device misses; on host = share of needed "
+            f"experts computed on the host CPU without a transfer (--cpu-experts)")
 
 
 def _progress_factory(enabled: bool, desc: str):
@@ -121,18 +124,19 @@ def cmd_replay(a) -> int:
     trace = load_trace(a.trace) if a.trace else _synthetic_trace(a)
     fit = load_trace(a.fit_trace) if a.fit_trace else None
     results = []
-    for policy in a.policy.split(","):
-        for prefetch in a.prefetch.split(","):
-            cfg = ReplayConfig(policy=policy, scope=a.scope, device_capacity=a.device_capacity,
-                               host_capacity=a.host_capacity, prefetch=prefetch, prefetch_budget=a.prefetch_budget,
-                               profile=a.profile, dtype=a.dtype, geometry=a.expert_geometry,
-                               expert_bytes=a.expert_bytes, fit_trace=fit, transition_model=a.transition_model)
-            prog = _progress_factory(not a.json and sys.stderr.isatty(), f"{policy}/{prefetch}")
-            rs = replay(trace, cfg, _batches(a.batch), progress=prog)
-            results.extend(rs)
-            if a.json:
-                for r in rs:
-                    print(json.dumps(r), flush=True)
+    items = [(p, f, c) for p in a.policy.split(",") for f in a.prefetch.split(",") for c in a.cpu_experts.split(",")]
+    for policy, prefetch, cpu in items:
+        cfg = ReplayConfig(policy=policy, scope=a.scope, device_capacity=a.device_capacity,
+                           host_capacity=a.host_capacity, prefetch=prefetch, prefetch_budget=a.prefetch_budget,
+                           profile=a.profile, dtype=a.dtype, geometry=a.expert_geometry,
+                           expert_bytes=a.expert_bytes, fit_trace=fit, transition_model=a.transition_model,
+                           cpu_experts=cpu, prefetch_rule=a.prefetch_rule)
+        prog = _progress_factory(not a.json and sys.stderr.isatty(), f"{policy}/{prefetch}/cpu-experts {cpu}")
+        rs = replay(trace, cfg, _batches(a.batch), progress=prog)
+        results.extend(rs)
+        if a.json:
+            for r in rs:
+                print(json.dumps(r), flush=True)
     if not a.json:
         print(format_table(results))
         print()
@@ -284,12 +288,12 @@ def cmd_generate(a) -> int:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
     model, store = load_model(a.model, device_budget=_budget(a.device_budget, "--device-budget"),
                               kv_cache_bytes=_budget(a.kv_cache_budget, "--kv-cache-budget"), host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
-                              progress=sys.stderr.isatty())
+                              progress=sys.stderr.isatty(), cpu_experts=a.cpu_experts, profile=a.profile)
     try:
         # generate knows its batch: no more sequences than prompts run at once
         batch = min(a.max_batch, len(prompts))
         eng = Engine(model, store, max_batch=batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch,
-                     cache_bonus=a.cache_bonus, schedule=a.schedule,
+                     cache_bonus=a.cache_bonus, schedule=a.schedule, prefetch_rule=a.prefetch_rule,
                      max_active=None if a.max_active is None else max(a.max_active, batch))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 seed=a.seed)
@@ -341,7 +345,8 @@ def cmd_serve(a) -> int:
                        kv_cache_budget=_budget(a.kv_cache_budget, "--kv-cache-budget") or 0,
                        host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
                        prefetch=a.prefetch, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, threads=a.threads,
-                       cache_bonus=a.cache_bonus, schedule=a.schedule, max_active=a.max_active)
+                       cache_bonus=a.cache_bonus, schedule=a.schedule, max_active=a.max_active,
+                       cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule, profile=a.profile)
     try:
         srv = Server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
                      startup_timeout=a.startup_timeout, timeout=a.timeout, heartbeat_timeout=a.heartbeat_timeout)
@@ -382,9 +387,24 @@ def _add_tier_args(p) -> None:
                         "blocks and preempted (recomputed later) when out (default 0: --max-batch sequences of 1024 "
                         "tokens, at least one whole context up to 8192)")
     p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
-    p.add_argument("--policy", default="lru", help="lru, lfu, freq or none")
+    p.add_argument("--policy", default="lru", help="lru, lfu, freq, reuse or none")
     p.add_argument("--scope", default="global", help="layer or global")
     p.add_argument("--prefetch", default="none", help="none, freq, transition or lookahead")
+    _add_hybrid_args(p)
+
+
+def _add_hybrid_args(p, live: bool = True) -> None:
+    p.add_argument("--cpu-experts", default="0",
+                   help="where experts not on the device are computed: 0 = moved to the device (default); N = every "
+                        "expert of the first N MoE layers stays on the host and is computed there (llama.cpp's "
+                        "--n-cpu-moe); auto = per expert per step, the cost model decides between moving it and "
+                        "computing it on the host CPU from host memory (without CUDA: always the host, no copy)")
+    p.add_argument("--prefetch-rule", default="cost",
+                   help="cost (default): prefetch an expert only when p(needed) x time saved exceeds the link time it "
+                        "takes from demand loads; always: every prediction up to the budget")
+    if live:
+        p.add_argument("--profile", default=None, help="hardware profile of those decisions (default: cpu without "
+                                                       "CUDA, h200 with it), or a profile JSON file")
 
 
 def _add_engine_args(p, max_batch: int) -> None:
@@ -459,9 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="bf16", help=f"expert weight dtype: {', '.join(cm.DTYPE_BITS)}")
     r.add_argument("--expert-geometry", default=None, help=f"expert size preset: {', '.join(cm.EXPERT_GEOMETRY)} (default: from the trace's model)")
     r.add_argument("--expert-bytes", type=int, default=None, help="bytes of one expert (overrides geometry and dtype)")
-    r.add_argument("--fit-trace", default=None, help="training trace for static's profile and transition's fit")
+    r.add_argument("--fit-trace", default=None, help="training trace for static's profile, transition's fit and reuse's statistics "
+                                                   "(reuse without it learns online)")
     r.add_argument("--transition-model", default=None, help="transition prefetcher saved by 'tiered-moe prefetch fit'")
     r.add_argument("--json", action="store_true", help="one JSON object per line, per batch size")
+    _add_hybrid_args(r, live=False)
     _add_synthetic_args(r)
     r.set_defaults(func=cmd_replay)
 

@@ -31,6 +31,7 @@ Rounding of ``quantize`` (``convert --quantize``):
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -452,7 +453,8 @@ class ExpertCodec:
     run a [1, 512] x [512, 1024] bf16 matmul ~20x slower than the float32 one (1.5 ms vs 66 us on
     this project's machines), so half-precision experts are widened into the scratch instead."""
 
-    def __init__(self, weights: list, dtype: torch.dtype, device, compute_dtype: "torch.dtype | None" = None) -> None:
+    def __init__(self, weights: list, dtype: torch.dtype, device, compute_dtype: "torch.dtype | None" = None,
+                 cache_bytes: int = 0) -> None:
         self.specs = {w.name: w for w in weights}
         self.dtype, self.device = dtype, torch.device(device)
         self.fmts = {w.name: w.fmt for w in weights}
@@ -483,6 +485,20 @@ class ExpertCodec:
         elif self.widen:   # input-major like the blob: one contiguous copy each
             self._gu_c = torch.empty(H_in, 2 * I, dtype=compute_dtype, device=self.device)
             self._dn_c = torch.empty(I, H_out, dtype=compute_dtype, device=self.device)
+        # Converted operands kept per expert key, least recently used dropped first: widening a bf16
+        # expert costs as much as its matmuls at decode's few tokens (a third of a CPU decode step),
+        # and experts are read-only, so one conversion serves every later step. Only results that
+        # are not views of the blob are kept (a float blob in the compute dtype needs no copy).
+        self.cache_bytes = int(cache_bytes) if (self.quantized or self.widen) else 0
+        self._cache: "OrderedDict" = OrderedDict()
+        self.cached_bytes = 0
+
+    @property
+    def operand_bytes(self) -> int:
+        """Bytes of one expert's float operands in the compute dtype (one cache entry)."""
+        H_in, I, H_out = self.shapes
+        n = 2 * I * H_in + I * H_out + (2 * I + H_out if "down_bias" in self.specs else 0)
+        return n * self.compute_dtype.itemsize
 
     @property
     def scratch_bytes(self) -> int:
@@ -497,8 +513,50 @@ class ExpertCodec:
         else:
             fmt.dequantize(parts, out)
 
-    def weights(self, views: dict) -> ExpertWeights:
-        """views: the blob's raw tensors by name (``name.suffix``), as the store returns them."""
+    def weights(self, views: dict, key=None) -> ExpertWeights:
+        """views: the blob's raw tensors by name (``name.suffix``), as the store returns them.
+        ``key``: the expert's identity (e.g. (layer, expert)); with a cache budget, its converted
+        operands are kept and later calls with the key skip the conversion. Without a key the
+        result lives in scratch reused by the next call."""
+        if key is not None and self.cache_bytes:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            return self._keep(key, self._convert(views))
+        return self._convert(views)
+
+    def _keep(self, key, t: ExpertWeights) -> ExpertWeights:
+        """Copy scratch results ``t`` into the cache under ``key``; the least recently used entry
+        makes room, its buffers reused (no allocation per miss once the cache is full)."""
+        size = self.operand_bytes
+        if size > self.cache_bytes:
+            return t
+        buf = None
+        while self.cached_bytes + size > self.cache_bytes:
+            _, buf = self._cache.popitem(last=False)
+            self.cached_bytes -= size
+        if buf is None:
+            own = [None if x is None else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                   for x in (t.gate_up_t, t.down_t, t.gate_up_bias, t.down_bias)]
+            buf = ExpertWeights(*own)
+        for dst, src in ((buf.gate_up_t, t.gate_up_t), (buf.down_t, t.down_t), (buf.gate_up_bias, t.gate_up_bias),
+                         (buf.down_bias, t.down_bias)):
+            if dst is not None:
+                dst.copy_(src)
+        self._cache[key] = buf
+        self.cached_bytes += size
+        return buf
+
+    def drop(self, key=None) -> None:
+        """Forget the cached operands of ``key`` (None: of every expert)."""
+        if key is None:
+            self._cache.clear()
+            self.cached_bytes = 0
+        elif self._cache.pop(key, None) is not None:
+            self.cached_bytes -= self.operand_bytes
+
+    def _convert(self, views: dict) -> ExpertWeights:
         cd = self.compute_dtype
         bias = tuple(None if b is None else b.to(cd) for b in (views.get("gate_up_bias.t"), views.get("down_bias.t")))
         if not self.quantized:

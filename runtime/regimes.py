@@ -3,10 +3,13 @@
 For each policy (and prefetcher) and batch size: decode many sequences with the engine, one token
 per sequence per step (so the recorded trace replays to exactly the live hits), and report
 unique experts per layer, hit rate per tier, bytes per token, measured tokens/s, and tokens/s
-projected on a hardware profile by replaying the recorded routing through the cost model.
+projected on a hardware profile by replaying the recorded routing through the cost model - with
+the experts moved to the device, and with hybrid execution (``--cpu-experts auto``: the cost
+model computes some misses on the host CPU instead; the share it computes there is reported).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -55,6 +58,7 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
                        profile=profile, geometry=geometry, expert_bytes=None if geometry else m.blob_bytes,
                        dtype=dtype or ("bf16" if geometry else COST_DTYPE.get(m.expert_format, "fp32")))
     r = replay_batch(tr, cfg, batch)
+    rh = replay_batch(tr, dataclasses.replace(cfg, cpu_experts="auto"), batch)
     need = sum(s["hits"].values())
     return {
         "batch": batch, "policy": policy, "prefetch": prefetch, "device_fraction": slots / total, "device_slots": slots,
@@ -70,6 +74,9 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
         "projected": {"profile": r["profile"], "expert_bytes": r["expert_bytes"], "source": r["expert_size_source"],
                       "tokens_per_s": r["projected"]["tokens_per_s_overlap"],
                       "tokens_per_s_all_resident": r["projected"]["tokens_per_s_all_resident"],
+                      "tokens_per_s_hybrid": rh["projected"]["tokens_per_s_overlap"],
+                      "host_share_hybrid": rh["host_compute"]["share"],
+                      "h2d_MB_per_token_hybrid": rh["bytes_per_token"]["host_to_device"] / 1e6,
                       "note": "replay of the recorded routing through the cost model"},
         "device_is_stand_in": s["device_is_stand_in"],
     }
@@ -77,13 +84,14 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
 
 def format_rows(rows: list) -> str:
     head = ["batch", "policy", "prefetch", "dev %", "uniq/layer", "dev hit", "MB/tok h2d", "stall s", "tok/s measured",
-            "tok/s projected", "projected resident"]
+            "tok/s projected", "projected hybrid", "on host", "projected resident"]
     out = [head]
     for r in rows:
         out.append([str(r["batch"]), r["policy"], r["prefetch"], f"{100 * r['device_fraction']:.0f}",
                     f"{r['unique_experts_per_layer_step']:.1f}", f"{r['hit_rate']['device']:.3f}",
                     f"{r['bytes_per_token']['host_to_device'] / 1e6:.2f}", f"{r['stall_seconds']:.2f}",
                     f"{r['measured_tokens_per_s']:.1f}", f"{r['projected']['tokens_per_s']:.1f}",
+                    f"{r['projected']['tokens_per_s_hybrid']:.1f}", f"{r['projected']['host_share_hybrid']:.2f}",
                     f"{r['projected']['tokens_per_s_all_resident']:.1f}"])
     w = [max(len(x[i]) for x in out) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w[i]) if i >= 3 or i == 0 else c.ljust(w[i]) for i, c in enumerate(row)) for row in out]

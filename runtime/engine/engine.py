@@ -122,7 +122,8 @@ class StepRecord:
 class Engine:
     def __init__(self, model, store, *, max_batch: int = 16, prefill_chunk: int = 64, prefetch: str = "none",
                  prefetch_budget: "int | None" = None, max_context: "int | None" = None,
-                 schedule: str = "fcfs", max_active: "int | None" = None, cache_bonus: float = 0.0) -> None:
+                 schedule: str = "fcfs", max_active: "int | None" = None, cache_bonus: float = 0.0,
+                 prefetch_rule: str = "cost") -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be positive")
         if schedule not in ("fcfs", "expert-aware"):
@@ -151,6 +152,15 @@ class Engine:
         self.pf_stats = {"predicted": 0, "correct": 0, "needed": 0}
         self._pred: dict = {}
         self._pf = None
+        from cache_policy.replay import PREFETCH_RULES
+        if prefetch_rule not in PREFETCH_RULES:
+            raise ValueError(f"unknown prefetch rule {prefetch_rule!r}; choose one of {', '.join(PREFETCH_RULES)}")
+        # The cost rule replay uses (cache_policy.prefetch.PrefetchGate) on the store's cost model:
+        # move a predicted expert only when p x saving > the link time it spills.
+        self._gate = None
+        if prefetch != "none" and prefetch_rule == "cost":
+            from cache_policy.prefetch import PrefetchGate
+            self._gate = PrefetchGate(self.budget, store.cost.t_link, store.cost.prefetch_saving(store.cpu_experts.auto))
         if prefetch in ("freq", "transition"):
             from cache_policy.prefetch import make_prefetcher
             self._pf = make_prefetcher(prefetch, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts)
@@ -225,11 +235,14 @@ class Engine:
     def _after_moe(self, m: int, used: list, x: torch.Tensor) -> None:
         cfg, model = self.model.cfg, self.model
         if m in self._pred:
-            got = set(self._pred.pop(m))
-            self.pf_stats["correct"] += len(got & set(used))
+            ranked = self._pred.pop(m)
+            need = set(used)
+            self.pf_stats["correct"] += len(need.intersection(ranked))
             self.pf_stats["needed"] += len(used)
+            if self._gate is not None:
+                self._gate.observe(ranked, need)
         nxt = m + 1
-        if nxt >= cfg.num_moe_layers:
+        if nxt >= cfg.num_moe_layers or nxt < self.store.cpu_experts.layers:
             return
         if self.prefetch == "lookahead":
             layer = cfg.moe_layers[nxt]
@@ -242,7 +255,13 @@ class Engine:
             pred = self._pf.predict(nxt, used, self.budget)
         self._pred[nxt] = pred
         self.pf_stats["predicted"] += len(pred)
-        self.store.prefetch(nxt, pred, self._step_no)
+        if self._gate is not None:
+            st, pool = self.store.stats, self.store.placement.device[nxt]
+            acc = sum(st.hits.values())
+            q = st.hits["device"] / acc if acc and len(pool.resident) >= pool.capacity else 0.0
+            pred = self._gate.select(pred, self.store.last_idle_link_s, set(self.store.resident(nxt)), q)
+        if pred:
+            self.store.prefetch(nxt, pred, self._step_no)
 
     # -- the step ------------------------------------------------------------------------------
     @staticmethod
@@ -458,5 +477,8 @@ class Engine:
                 "stall_seconds": sum(s.stall_seconds for s in steps),
                 "mean_unique_experts_per_layer": float(np.mean([np.mean(s.unique_experts) for s in steps])) if steps else 0.0,
                 "prefetch": {"precision": p["correct"] / p["predicted"] if p["predicted"] else None,
-                             "recall": p["correct"] / p["needed"] if p["needed"] else None},
+                             "recall": p["correct"] / p["needed"] if p["needed"] else None,
+                             **self.store.snapshot()["prefetch"]},
+                "computed": dict(self.store.stats.computed),
+                "host_compute_seconds": self.store.stats.host_compute_seconds,
                 "device_is_stand_in": self.store.device_is_stand_in}

@@ -2,19 +2,36 @@
 from __future__ import annotations
 
 
+import torch
+
 from .config import SUPPORTED, MoEConfig
 from .moe import MoEModel, Sequence, route
 
 
+def compute_dtype_for(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype a model of ``dtype`` weights computes in on ``device``: its own, except float32 for
+    bf16 / fp16 on a CPU - CPUs without half-precision matrix units run a bf16 [8, 512] x
+    [512, 1024] matmul ~3x slower than the float32 one, and transformers' fastest CPU setting for
+    such a checkpoint is float32 too (bench/results/decode_speed.md). Costs twice the dense weights'
+    and KV cache's bytes; experts stay half precision in the store (ExpertCodec widens them)."""
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
 def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_budget: "int | None" = None,
                kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "lru", scope: str = "global",
-               device: "str | None" = None, progress: bool = False):
+               device: "str | None" = None, progress: bool = False, dtype=None, cpu_experts="0",
+               profile: "str | None" = None):
     """A converted store -> (model, store).
 
     ``device_budget``: the whole device tier - dense weights, the KV cache reservation
     (``kv_cache_bytes``) and expert slots; the experts get what is left. ``expert_budget``: bytes
     of expert slots directly. Neither: every expert fits on the device. ``host_budget``: bytes of
-    expert slots in host memory (None: every expert)."""
+    expert slots in host memory (None: every expert). ``dtype``: the dtype the dense weights,
+    activations and KV cache are computed in; default the checkpoint's, except float32 for a
+    half-precision checkpoint on a CPU (see ``compute_dtype_for``). ``cpu_experts`` (0, N or auto) and
+    ``profile``: hybrid execution, see ``ExpertStore``."""
 
     from ..store import ExpertStore, Manifest
     from .convert import load_dense
@@ -32,8 +49,10 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                          f"but config.json describes {cfg.num_moe_layers} x {cfg.num_experts} {want}: "
                          f"a store of another model; convert again")
     dense = load_dense(store_dir, cfg)
+    dtype = dtype or compute_dtype_for(dense["model.embed_tokens.weight"].dtype,
+                                       device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device_budget is not None:
-        dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
+        dense_bytes = sum(t.numel() * dtype.itemsize for t in dense.values())
         need = cfg.top_k * m.blob_stride * (m.num_layers if scope == "layer" else 1)
         expert_budget = device_budget - dense_bytes - kv_cache_bytes
         if expert_budget < need:
@@ -43,8 +62,8 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     if expert_budget is None:
         expert_budget = m.num_layers * m.num_experts * m.blob_stride
     store = ExpertStore(store_dir, device_budget=expert_budget, host_budget=host_budget, policy=policy, scope=scope,
-                        device=device, min_experts_per_layer=cfg.top_k, progress=progress)
-    dtype = dense["model.embed_tokens.weight"].dtype
+                        device=device, min_experts_per_layer=cfg.top_k, progress=progress, cpu_experts=cpu_experts,
+                        profile=profile)
     return MoEModel(cfg, dense, store, device=store.device, dtype=dtype, kv_bytes=kv_cache_bytes or None), store
 
 

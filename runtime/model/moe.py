@@ -8,8 +8,10 @@ expert, embeddings) stay in memory.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,8 @@ from .convert import router_name
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 as the reference implementations do, then cast back.
+    if x.dtype == torch.float32:   # the same ops without the two no-op casts
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
@@ -28,6 +32,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
+
+
+def rotate_half_roll(x: torch.Tensor) -> torch.Tensor:
+    """rotate_half without the negation: (b, a). Times sin with its first half negated
+    (``signed_sin``) it is rotate_half(x) * sin, bit for bit (-b * s == b * -s), in one op, not three."""
+    return torch.roll(x, x.shape[-1] // 2, dims=-1)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    a, b = sin.chunk(2, dim=-1)
+    return torch.cat((-a, b), dim=-1)
 
 
 def route(logits: torch.Tensor, cfg: MoEConfig, bias: "torch.Tensor | None" = None,
@@ -61,7 +76,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig, bias: "torch.Tensor | None" = No
         w = s.gather(1, ids)                # weights from the uncorrected scores
         if cfg.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return ids, w * cfg.routed_scaling_factor
+    return ids, (w if cfg.routed_scaling_factor == 1 else w * cfg.routed_scaling_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -195,18 +210,32 @@ class MoEModel:
         self.step = 0                     # placement time; the engine advances it once per step
         self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
         self.prefetch_hook = None         # callable(moe_idx, ids, hidden) after each MoE layer
+        self.tokens_per_thread = 128      # intra-op threads of a forward: one per this many tokens (see forward)
         # Float operands of an expert from its blob: views for float stores, dequantized into one
         # reused scratch for quantized ones (runtime/quant.py).
         self.codec = ExpertCodec(experts.m.weights, dtype, device)
+        self._host_codec = self._host_pool = None    # hybrid execution with CUDA (see _host_experts)
+        self.host_worker_on_cpu = False   # tests: run the CUDA path's CPU worker on a CPU-only machine too
+        # Half-precision experts computed in float32 (a CPU): keep converted copies of as many
+        # experts as the device tier holds, so an expert is widened once, not at every step.
+        if self.codec.widen:
+            slots = experts.capacity_bytes()["device"] // experts.m.blob_stride
+            self.codec.cache_bytes = slots * self.codec.operand_bytes
         w = self.w
+        # An untied lm_head input-major ([hidden, vocab]), as the attention weights below.
+        self.head_t = w.pop("lm_head.weight").t().contiguous() if "lm_head.weight" in w else None
         self.qkv_w, self.qkv_b = [], []
+        self._qk_w: dict = {}     # layer -> joint q/k norm weight (see _qk_norm_w)
         self.kv = None            # PagedKV, made by init_kv (the engine sizes it; else on first use)
         self.kv_bytes = kv_bytes
         if cfg.attention == "mla":
             return
 
-        for i in range(cfg.num_layers):   # concatenated copies replace q, k, v: one copy in memory
-            self.qkv_w.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.weight")) for n in "qkv"]))
+        # Concatenated copies replace q, k, v: one copy in memory, input-major ([in, out]) like the
+        # experts: at decode's few rows, x @ w over it is a faster CPU kernel than F.linear's
+        # (200 vs 330 us for [1, 512] x [512, 1024] on this project's 2-core machine).
+        for i in range(cfg.num_layers):
+            self.qkv_w.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.weight")) for n in "qkv"]).t().contiguous())
             self.qkv_b.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.bias")) for n in "qkv"])
                               if cfg.qkv_bias else None)
 
@@ -283,9 +312,8 @@ class MoEModel:
             return self._mla_decode(i, q, latent, k_rot, seqs, rot, K, kv_b)
         slots = self._ctx["prefill"]
         out = torch.empty(x.shape[0], nh, vd, dtype=x.dtype, device=x.device)
-        for s, (a, b), (w_idx, r_idx) in zip(seqs, spans, slots):
-            p0, n_new = s.length, b - a
-            cos, sin = self._rope(torch.arange(p0, p0 + n_new, device=x.device))   # [new, rope]
+        for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(seqs, spans, slots, self._ctx["rope"]):
+            p0, n_new = s.length, b - a                                  # cos, sin: [new, rope]
             qr = torch.cat([q[a:b, :, :nope], rot(q[a:b, :, nope:], cos[:, None], sin[:, None])], dim=-1)
             K[w_idx, 0] = torch.cat([latent[a:b], rot(k_rot[a:b], cos, sin)], dim=-1)
             ctx = p0 + n_new
@@ -307,7 +335,7 @@ class MoEModel:
         nh, nope, vd, lat = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         B = len(seqs)
         pos, w_idx, r_idx = self._ctx["decode"]
-        cos, sin = self._rope(pos)                                       # [B, rope]
+        cos, sin = self._ctx["rope"]                                     # [B, rope]
         q_rope = rot(q[:, :, nope:], cos[:, None], sin[:, None])         # [B, heads, rope]
         K[w_idx, 0] = torch.cat([latent, rot(k_rot, cos, sin)], dim=-1)
         n = r_idx.shape[1]
@@ -347,42 +375,38 @@ class MoEModel:
         if cfg.attention == "mla":
             return self._mla(i, x, seqs, spans)
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        # One matmul for q, k and v (their weights concatenated once at load).
-        q, k, v = F.linear(x, self.qkv_w[i], self.qkv_b[i]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        nq = nh + nkv
+        # One matmul for q, k and v (their weights concatenated once at load); q and k then stay
+        # one tensor through their norm and RoPE (per-head ops: the same numbers, half the ops).
+        b = self.qkv_b[i]
+        qkv = torch.mm(x, self.qkv_w[i]) if b is None else torch.addmm(b, x, self.qkv_w[i])   # qkv: [tokens, (heads + 2 kv) hd]
+        v = qkv[:, nq * hd:].view(-1, nkv, hd)                          # v: [tokens, kv, hd]
         if cfg.qk_norm == "full":
-            q = rms_norm(q, w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
-            k = rms_norm(k, w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
-        q = q.view(-1, nh, hd)                                          # q: [tokens, heads, hd]
-        k = k.view(-1, nkv, hd)
-        v = v.view(-1, nkv, hd)
-        if cfg.qk_norm == "head":
-            q = rms_norm(q, w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
-            k = rms_norm(k, w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
+            q = rms_norm(qkv[:, :nh * hd], w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
+            k = rms_norm(qkv[:, nh * hd:nq * hd], w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
+            qk = torch.cat([q, k], -1).view(-1, nq, hd)
+        else:
+            qk = qkv[:, :nq * hd].view(-1, nq, hd)                      # qk: [tokens, heads + kv, hd]
+            if cfg.qk_norm == "head":
+                qk = rms_norm(qk, self._qk_norm_w(i), cfg.rms_norm_eps)
         K, V = self.kv.k[i], self.kv.v[i]                                # [token slots, kv, hd]
         if all(b - a == 1 for a, b in spans):
             # Decode: one token per sequence - one write and one batched product for all of them.
             B = len(seqs)
-            pos, w_idx, r_idx = self._ctx["decode"]
-            cos, sin = self._rope(pos)                                   # [B, hd]
-            q = q * cos[:, None] + rotate_half(q) * sin[:, None]
-            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-            K[w_idx] = k                                                 # k: [B, kv, hd]
+            _, w_idx, r_idx = self._ctx["decode"]
+            cos, sin = self._ctx["rope_heads"]                           # [B, 1, hd]
+            qk = qk * cos + rotate_half_roll(qk) * sin
+            K[w_idx] = qk[:, nh:]                                        # k: [B, kv, hd]
             V[w_idx] = v
-            n = r_idx.shape[1]
             kk, vv = K[r_idx].transpose(1, 2), V[r_idx].transpose(1, 2)  # [B, kv, n, hd]
-            keys = torch.arange(n, device=x.device)[None, :]
-            mask = keys <= pos[:, None]                                  # mask: [B, n]
-            if i in self.sliding:
-                mask &= keys > pos[:, None] - cfg.sliding_window
-            out = self._sdpa(i, q[:, :, None], kk, vv, mask[:, None, None, :]).reshape(B, nh * hd)
+            mask = self._decode_mask(i)                                  # mask: [B, 1, 1, n]
+            out = self._sdpa(i, qk[:, :nh, None], kk, vv, mask).reshape(B, nh * hd)
             return self._o_proj(i, out)
-        out = torch.empty_like(q)
-        for s, (a, b), (w_idx, r_idx) in zip(seqs, spans, self._ctx["prefill"]):
+        out = torch.empty(x.shape[0], nh, hd, dtype=x.dtype, device=x.device)
+        for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(seqs, spans, self._ctx["prefill"], self._ctx["rope_prefill"]):
             p0, n_new = s.length, b - a
-            cos, sin = self._rope(torch.arange(p0, p0 + n_new, device=x.device))
-            qs = q[a:b] * cos[:, None] + rotate_half(q[a:b]) * sin[:, None]
-            ks = k[a:b] * cos[:, None] + rotate_half(k[a:b]) * sin[:, None]
-            K[w_idx] = ks                                                # ks: [new, kv, hd]
+            qks = qk[a:b] * cos + rotate_half_roll(qk[a:b]) * sin          # qks: [new, heads + kv, hd]
+            K[w_idx] = qks[:, nh:]                                       # ks: [new, kv, hd]
             V[w_idx] = v[a:b]
             ctx = p0 + n_new
             kk, vv = K[r_idx].transpose(0, 1), V[r_idx].transpose(0, 1)  # [kv, ctx, hd]
@@ -390,7 +414,7 @@ class MoEModel:
             causal = torch.arange(ctx, device=x.device)[None, :] <= qpos
             if i in self.sliding:
                 causal &= torch.arange(ctx, device=x.device)[None, :] > qpos - cfg.sliding_window
-            o = self._sdpa(i, qs.transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
+            o = self._sdpa(i, qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)
         return self._o_proj(i, out.reshape(-1, nh * hd))
 
@@ -398,6 +422,60 @@ class MoEModel:
         w = self.w
         return F.linear(F.silu(F.linear(x, w[prefix + "gate_proj.weight"])) * F.linear(x, w[prefix + "up_proj.weight"]),
                         w[prefix + "down_proj.weight"])
+
+    def _expert_ffn(self, t, x: torch.Tensor, out: "torch.Tensor | None" = None) -> torch.Tensor:
+        """One expert on its tokens. t: ExpertWeights (compute dtype); x: [n, hidden or latent];
+        out: where to write y (same shape as x), else a new tensor. Returns y."""
+        cfg = self.cfg
+        I = cfg.expert_intermediate
+        h = torch.mm(x, t.gate_up_t)                                     # h: [n, 2I] = gate | up
+        if t.gate_up_bias is not None:
+            h += t.gate_up_bias
+        if cfg.expert_act == "swiglu_clamp":   # gpt-oss: clamped SwiGLU with (up + 1)
+            g = h[:, :I].clamp(max=cfg.swiglu_limit)
+            h = (h[:, I:].clamp(-cfg.swiglu_limit, cfg.swiglu_limit) + 1) * (g * torch.sigmoid(g * cfg.swiglu_alpha))
+        else:
+            h = F.silu(h[:, :I]) * h[:, I:]                              # h: [n, I]
+        if out is None or out.dtype != h.dtype:   # e.g. float32 experts of a bf16 model: rounded into out
+            y = torch.mm(h, t.down_t) if t.down_bias is None else torch.addmm(t.down_bias, h, t.down_t)
+            return y if out is None else out.copy_(y)
+        if t.down_bias is None:
+            return torch.mm(h, t.down_t, out=out)                       # out: [n, hidden or latent]
+        return torch.addmm(t.down_bias, h, t.down_t, out=out)
+
+    def _host_experts(self, m: int, fetch, xs: torch.Tensor, off: list):
+        """Hybrid execution: experts the store computes on the host, from their host-tier slots
+        (``fetch.on_host``). Without CUDA the host is the device: returns None and the wave loop
+        computes them from the host views like any other expert (no copy). With CUDA: their token
+        rows cross to the CPU once, a CPU worker computes them while the device computes the rest,
+        and the returned callable waits and writes their outputs into ``ys`` (one copy back)."""
+        store = fetch.store
+        if xs.device.type == "cpu" and not self.host_worker_on_cpu:
+            return None
+        host = [e for e in fetch.experts if e in fetch.host]
+        if self._host_codec is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._host_codec = ExpertCodec(store.m.weights, self.dtype, "cpu")
+            self._host_pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-moe-host-experts")
+        spans = [(off[e], off[e + 1]) for e in host]
+        idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(xs.device)
+        x_cpu = xs.index_select(0, idx).to("cpu", self._host_codec.compute_dtype)   # x_cpu: [n, hidden or latent]
+
+        def work():
+            t0 = time.perf_counter()
+            y = torch.empty_like(x_cpu)
+            j = 0
+            for e, (a, b) in zip(host, spans):
+                t = self._host_codec.weights(fetch.tensors(e))          # views of the host slot
+                self._expert_ffn(t, x_cpu[j:j + b - a], y[j:j + b - a])
+                j += b - a
+            store.stats.host_compute_seconds += time.perf_counter() - t0
+            return y
+        fut = self._host_pool.submit(work)
+
+        def finish(ys: torch.Tensor) -> None:
+            ys.index_copy_(0, idx, fut.result().to(ys.device, ys.dtype))
+        return finish
 
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -416,44 +494,46 @@ class MoEModel:
         if self.record is not None:
             self.record(m, ids)
         wts = wts.to(self.dtype)
-        used = torch.unique(ids).tolist()
-        fetch = self.experts.request(m, used, self.step)
+        # Tokens sorted by expert once, so each expert reads a contiguous slice. The store needs the
+        # experts on the host anyway: one copy of the ids there, and the bookkeeping in numpy (a
+        # few us per call where each torch op of a tiny tensor costs 5-10 us).
+        T, k = ids.shape
+        flat = ids.cpu().numpy().reshape(-1)                             # flat: [T*k]
+        order = np.argsort(flat, kind="stable")                          # the same permutation as torch's stable sort
+        counts = np.bincount(flat, minlength=cfg.num_experts)
+        used = np.flatnonzero(counts).tolist()
+        off = [0] + np.cumsum(counts).tolist()
+        back = np.empty_like(order)
+        back[order] = np.arange(order.size)                              # sorted position of each (token, slot)
+        fetch = self.experts.request(m, used, self.step, counts[used].tolist())   # tokens per expert: hybrid decisions weigh them
         xin = x
         if cfg.latent_dim:   # LatentMoE: experts run in a smaller latent space
             xin = F.linear(x, self.w[self._p(i, "block_sparse_moe.latent_down.weight")])   # xin: [tokens, latent]
-        # Tokens sorted by expert once, so each expert reads a contiguous slice.
-        T, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tok = order // k                                                 # token of each sorted slot
-        off = [0] + torch.bincount(flat, minlength=cfg.num_experts).cumsum(0).tolist()
+        tok = torch.from_numpy(order // k).to(x.device)                  # token of each sorted slot
         xs = xin[tok]                                                    # xs: [T*k, hidden or latent]
-        I = cfg.expert_intermediate
         ys = torch.empty_like(xs)
         # Resident experts first while misses stream in; in waves when they do not all fit.
-        codec, clamp = self.codec, cfg.expert_act == "swiglu_clamp"
+        codec = self.codec
         if xs.dtype != codec.compute_dtype:   # e.g. bf16 model, float32 expert matmuls on a CPU
             xs = xs.to(codec.compute_dtype)
+        host_job = self._host_experts(m, fetch, xs, off) if fetch.host else None
         for wave in fetch.waves():
             for e in wave:
-                t = codec.weights(fetch.tensors(e))    # float operands (dequantized if the store is quantized)
+                on_host = e in fetch.host
+                if on_host and host_job is not None:
+                    continue                     # on a CPU worker (see _host_experts)
+                t0 = time.perf_counter() if on_host else 0.0
+                # float operands (dequantized if the store is quantized, widened once if half precision)
+                t = codec.weights(fetch.tensors(e), (m, e))
                 a, b = off[e], off[e + 1]
-                h = torch.mm(xs[a:b], t.gate_up_t)                         # h: [n, 2I] = gate | up
-                if t.gate_up_bias is not None:
-                    h += t.gate_up_bias
-                if clamp:   # gpt-oss: clamped SwiGLU with (up + 1)
-                    g = h[:, :I].clamp(max=cfg.swiglu_limit)
-                    h = (h[:, I:].clamp(-cfg.swiglu_limit, cfg.swiglu_limit) + 1) * (g * torch.sigmoid(g * cfg.swiglu_alpha))
-                else:
-                    h = F.silu(h[:, :I]) * h[:, I:]
-                if t.down_bias is None:
-                    ys[a:b] = torch.mm(h, t.down_t)                        # [n, hidden or latent]
-                else:
-                    ys[a:b] = torch.addmm(t.down_bias, h, t.down_t)
+                self._expert_ffn(t, xs[a:b], ys[a:b])
+                if on_host:
+                    fetch.store.stats.host_compute_seconds += time.perf_counter() - t0
+        if host_job is not None:
+            host_job(ys)
         # Back to (token, slot) order, then sum each token's k expert outputs (cheaper than index_add_ on CPU).
-        y = torch.empty_like(ys)
-        y[order] = ys * wts.reshape(-1)[order, None]
-        out = y.view(T, k, -1).sum(1)
+        y = ys[torch.from_numpy(back).to(x.device)].view(T, k, -1)       # y: [T, k, hidden or latent]
+        out = (y * wts[:, :, None]).sum(1)
         if cfg.latent_dim:
             out = F.linear(out, self.w[self._p(i, "block_sparse_moe.latent_up.weight")])
         if cfg.shared_intermediate:
@@ -475,14 +555,68 @@ class MoEModel:
             read = torch.stack([s.slot_ids[:n] if s.slot_ids.numel() >= n else
                                 torch.cat([s.slot_ids, s.slot_ids.new_zeros(n - s.slot_ids.numel())]) for s in seqs])
             write = torch.stack([s.slot_ids[p] for s, p in zip(seqs, pos)])
-            return {"decode": (torch.tensor(pos, device=self.device), write, read)}
-        return {"prefill": [(s.slot_ids[s.length:s.length + b - a], s.slot_ids[:s.length + b - a])
-                            for s, (a, b) in zip(seqs, spans)]}
+            pos_t = torch.tensor(pos, device=self.device)
+            ctx = {"decode": (pos_t, write, read), "rope": self._rope(pos_t), "masks": {}}   # rope: cos, sin [B, hd]
+            if self.cfg.attention != "mla":   # cos, signed sin broadcast over heads: [B, 1, hd]
+                cos, sin = ctx["rope"]
+                ctx["rope_heads"] = (cos[:, None], signed_sin(sin)[:, None])
+            return ctx
+        ctx = {"prefill": [(s.slot_ids[s.length:s.length + b - a], s.slot_ids[:s.length + b - a])
+                           for s, (a, b) in zip(seqs, spans)]}
+        ctx["rope"] = [self._rope(torch.arange(s.length, s.length + b - a, device=self.device))
+                       for s, (a, b) in zip(seqs, spans)]                          # per sequence: cos, sin [new, hd]
+        if self.cfg.attention != "mla":
+            ctx["rope_prefill"] = [(c[:, None], signed_sin(s_)[:, None]) for c, s_ in ctx["rope"]]
+        return ctx
+
+    def _decode_mask(self, i: int) -> torch.Tensor:
+        """Keys each decoding sequence attends to in layer i: [B, 1, 1, n] bool, made once per
+        forward for full attention and once for sliding-window layers."""
+        sliding = i in self.sliding
+        masks = self._ctx["masks"]
+        mask = masks.get(sliding)
+        if mask is None:
+            pos, _, r_idx = self._ctx["decode"]
+            keys = torch.arange(r_idx.shape[1], device=pos.device)[None, :]
+            mask = keys <= pos[:, None]                                  # mask: [B, n]
+            if sliding:
+                mask &= keys > pos[:, None] - self.cfg.sliding_window
+            mask = masks[sliding] = mask[:, None, None, :]
+        return mask
+
+    def _qk_norm_w(self, i: int) -> torch.Tensor:
+        """Per-head q and k norm weights stacked for the joint norm: [heads + kv, hd]."""
+        t = self._qk_w.get(i)
+        if t is None:
+            cfg, w = self.cfg, self.w
+            q, k = w[self._p(i, "self_attn.q_norm.weight")], w[self._p(i, "self_attn.k_norm.weight")]
+            t = self._qk_w[i] = torch.cat([q.expand(cfg.num_heads, -1), k.expand(cfg.num_kv_heads, -1)])
+        return t
 
     @torch.inference_mode()
     def forward(self, seqs: list, chunks: list) -> torch.Tensor:
         """Run new tokens of several sequences. chunks[j]: token ids of seqs[j] (prefill chunk or one
-        decode token). Returns logits of each chunk's last token: [len(seqs), vocab]."""
+        decode token). Returns logits of each chunk's last token: [len(seqs), vocab].
+
+        Intra-op threads: at most one per ``tokens_per_thread`` tokens of the forward (never more
+        than torch's setting). A decode step's ops are small - matmuls of a few rows, elementwise
+        ops of a few KiB - and split across threads each pays a fork/join that costs more than it
+        saves, and waits for the slowest thread (a core busy with anything else stalls every op):
+        on this project's 2-core machine, shared with other jobs, a 2-row expert matmul took 0.6 ms
+        on one thread and 3 ms on two, and a 64-token prefill of the mid-size checkpoint of
+        bench/decode_speed.py 0.56 s and 2.5 s. Large forwards (long prefills, big batches) use
+        every thread; on a machine whose cores are busy anyway, ``--threads 1`` is faster still."""
+        want = torch.get_num_threads()
+        use = max(1, min(want, sum(len(c) for c in chunks) // self.tokens_per_thread))
+        if use == want:
+            return self._forward(seqs, chunks)
+        torch.set_num_threads(use)
+        try:
+            return self._forward(seqs, chunks)
+        finally:
+            torch.set_num_threads(want)
+
+    def _forward(self, seqs: list, chunks: list) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         flat = [t for c in chunks for t in c]
         spans, a = [], 0
@@ -506,5 +640,6 @@ class MoEModel:
             s.length += len(c)
         last = torch.tensor([b - 1 for _, b in spans], device=self.device)
         h = rms_norm(x[last], w["model.norm.weight"], cfg.rms_norm_eps)
-        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-        return F.linear(h, head).float()
+        if self.head_t is not None:
+            return torch.mm(h, self.head_t).float()
+        return F.linear(h, w["model.embed_tokens.weight"]).float()   # tied: the embedding's rows

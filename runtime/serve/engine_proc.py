@@ -32,6 +32,9 @@ class EngineConfig:
     cache_bonus: float = 0.0
     schedule: str = "fcfs"
     max_active: "int | None" = None
+    cpu_experts: str = "0"               # 0 | N | auto: hybrid execution (ExpertStore)
+    prefetch_rule: str = "cost"          # cost | always (cache_policy.prefetch.PrefetchGate)
+    profile: "str | None" = None         # hardware profile of the cost decisions (default: cpu / h200)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "manifest.json")):
@@ -55,6 +58,14 @@ class EngineConfig:
             raise ValueError(f"--max-active ({self.max_active}) must be at least --max-batch ({self.max_batch})")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        from cache_policy.cost_model import load_profile
+        from cache_policy.keys import CpuExperts
+        from cache_policy.replay import PREFETCH_RULES
+        self.cpu_experts = str(CpuExperts.parse(self.cpu_experts))
+        if self.prefetch_rule not in PREFETCH_RULES:
+            raise ValueError(f"--prefetch-rule {self.prefetch_rule!r}: use {', '.join(PREFETCH_RULES)}")
+        if self.profile is not None:
+            load_profile(self.profile)
 
 
 def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) -> int:
@@ -98,10 +109,12 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model, store = load_model(cfg.model, device_budget=cfg.device_budget, expert_budget=cfg.expert_budget, kv_cache_bytes=cfg.kv_cache_budget,
-                              host_budget=cfg.host_budget, policy=cfg.policy, scope=cfg.scope)
+                              host_budget=cfg.host_budget, policy=cfg.policy, scope=cfg.scope,
+                              cpu_experts=cfg.cpu_experts, profile=cfg.profile)
     try:
         eng = Engine(model, store, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk, prefetch=cfg.prefetch,
-                     cache_bonus=cfg.cache_bonus, schedule=cfg.schedule, max_active=cfg.max_active)
+                     cache_bonus=cfg.cache_bonus, schedule=cfg.schedule, max_active=cfg.max_active,
+                     prefetch_rule=cfg.prefetch_rule)
         mc = model.cfg
         push.send(encode("ready", model=os.path.basename(os.path.abspath(cfg.model)), vocab_size=mc.vocab_size,
                          max_context=eng.max_context, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,

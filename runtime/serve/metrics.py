@@ -78,6 +78,16 @@ class _StoreCollector:
             yield GaugeMetricFamily(P + "kv_cache_bytes", "Bytes of the preallocated KV cache", value=s["kv_blocks"]["bytes"])
             yield CounterMetricFamily(P + "preemptions", "Running requests preempted for KV blocks (recomputed later)",
                                       value=s.get("preemptions", 0))
+        if "computed" in s:
+            c = CounterMetricFamily(P + "expert_compute", "Experts computed, by where: on the device, or on the host CPU "
+                                    "from host memory without a transfer (hybrid execution)", labels=["where"])
+            for where, v in s["computed"].items():
+                c.add_metric([where], v)
+            yield c
+            yield CounterMetricFamily(P + "host_expert_compute_seconds", "Wall time of expert compute on the host CPU "
+                                      "(hybrid execution)", value=s.get("host_compute_seconds", 0.0))
+            yield CounterMetricFamily(P + "prefetch_cancelled", "Prefetches dropped unstarted once their layer had run",
+                                      value=s["prefetch"].get("cancelled", 0))
         yield CounterMetricFamily(P + "expert_load_errors", "Expert loads that failed (corrupt twice): the requests of "
                                   "that step failed", value=s.get("load_errors", 0))
         yield GaugeMetricFamily(P + "requests_running", "Requests in the running batch", value=s.get("running", 0))

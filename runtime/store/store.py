@@ -10,6 +10,11 @@
 hits, what loads and what leaves, then returns at once: experts already resident are ready,
 misses stream in on worker threads (a side CUDA stream on a GPU) so the caller computes the
 resident ones first. Experts are read-only: eviction only drops a slot.
+
+Hybrid execution (``cpu_experts``): placement may decide that a missing expert is computed on the
+host from its host-tier slot; ``Fetch.on_host(e)`` says so and ``Fetch.tensors(e)`` then returns
+views of the host slot - nothing is copied. Without CUDA that is the zero-copy path: the stand-in
+"device" slab is the same memory, so a copy into it only costs time.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cache_policy.keys import LINKS, SCOPES, TIERS
+from cache_policy import cost_model as cm
+from cache_policy.keys import LINKS, SCOPES, TIERS, CpuExperts
 from cache_policy.placement import TieredPlacement
 from cache_policy.policies import LRU, POLICIES, check_policy_name
 
@@ -118,6 +124,9 @@ class StoreStats:
     waves: int = 0   # extra waves: layers whose experts did not fit the device tier at once
     reread: int = 0  # blobs read a second time after a checksum error
     load_errors: int = 0
+    computed: dict = field(default_factory=lambda: {"device": 0, "host": 0})   # experts computed where
+    host_compute_seconds: float = 0.0   # wall time of expert compute on the host (hybrid execution)
+    prefetch_cancelled: int = 0         # prefetches dropped unstarted once their layer had run
     layer_hits: list = field(default_factory=list)   # [layer] -> [device, host, disk] accesses served there
 
 
@@ -128,25 +137,33 @@ class Fetch:
     the device tier; otherwise the waves placement planned, each loaded after the previous one
     has been computed (its slots are reused)."""
 
-    def __init__(self, store: "ExpertStore", layer: int, experts: list, pending: dict, plan=None) -> None:
+    def __init__(self, store: "ExpertStore", layer: int, experts: list, pending: dict, plan=None,
+                 host: "frozenset | set" = frozenset()) -> None:
         self.store, self.layer, self.experts, self.pending = store, layer, experts, pending
         self.ready = [e for e in experts if e not in pending]
         self.plan = plan
+        self.host = host      # experts computed on the host from their host slot (hybrid execution)
+
+    def on_host(self, expert: int) -> bool:
+        return expert in self.host
 
     def waves(self):
         if self.plan is None:
             yield self.ready + [e for e in self.experts if e in self.pending]
             return
         base = self.layer * self.store.m.num_experts
+        host = [e for e in self.experts if e in self.host]
         for j, (keys, new, ev) in enumerate(self.plan):
             if j > 0:
                 self.pending.update({k - base: f for k, f in self.store._apply(
                     {"device_evicted": ev, "host_evicted": [], "from_disk": [], "loaded": new},
                     self.store.demand_pool).items()})
-            wave = [k - base for k in keys]
+            wave = [k - base for k in keys] + (host if j == 0 else [])
             yield [e for e in wave if e not in self.pending] + [e for e in wave if e in self.pending]
 
     def tensors(self, expert: int) -> dict:
+        if expert in self.host:
+            return self.store._views(self.layer * self.store.m.num_experts + expert, host=True)
         fut = self.pending.get(expert)
         if fut is not None:
             t0 = time.perf_counter()
@@ -168,7 +185,12 @@ class ExpertStore:
     def __init__(self, store_dir: str, *, device_budget: int, host_budget: "int | None" = None,
                  policy: str = "lru", scope: str = "global", device: "str | None" = None,
                  min_experts_per_layer: int = 1, threads: int = 4, verify: bool = True,
-                 max_inflight_prefetch: int = 64, direct_io: bool = True, progress: bool = False) -> None:
+                 max_inflight_prefetch: int = 64, direct_io: bool = True, progress: bool = False,
+                 cpu_experts: "str | int | CpuExperts" = "0", profile: "str | None" = None) -> None:
+        """``cpu_experts``: 0, N (every expert of the first N MoE layers computed on the host) or
+        auto (the cost model decides per expert per step; see cache_policy.cost_model.HybridCost).
+        ``profile``: the hardware profile of those decisions and of prefetch's cost rule (default:
+        cpu without CUDA, h200 with it)."""
         self.m = m = Manifest.read(store_dir)
         check_policy_name(policy, live=True)
         if scope not in SCOPES:
@@ -177,6 +199,10 @@ class ExpertStore:
         self.device_is_stand_in = self.device == "cpu"
         cuda = self.device.startswith("cuda")
         L, E, stride = m.num_layers, m.num_experts, m.blob_stride
+        self.cpu_experts = CpuExperts.parse(cpu_experts, num_layers=L)
+        self.profile = cm.load_profile(profile or ("h200" if cuda else "cpu"))
+        params = sum(int(np.prod(w.shape)) for w in m.weights)
+        self.cost = cm.HybridCost(self.profile, params, m.blob_bytes)
         dev_total = int(device_budget) // stride
         dev_slots = dev_total // L if scope == "layer" else dev_total
         need = min_experts_per_layer
@@ -198,7 +224,9 @@ class ExpertStore:
         factory = POLICIES[policy]
         self.placement = TieredPlacement(num_layers=L, num_experts=E, scope=scope, device_slots=dev_slots,
                                          host_slots=host_slots, policy_factory=factory,
-                                         host_policy_factory=LRU if policy == "none" else factory)
+                                         host_policy_factory=LRU if policy == "none" else factory,
+                                         hybrid=self.cost if self.cpu_experts.auto else None,
+                                         cpu_layers=self.cpu_experts.layers)
         n_dev = dev_slots * (L if scope == "layer" else 1)
         n_host = L * E if host_slots is None else host_slots * (L if scope == "layer" else 1)
         self.dev = Slab(n_dev, stride, self.device, pin=False)
@@ -208,6 +236,8 @@ class ExpertStore:
         self.verify = verify
         self.stats = StoreStats(layer_hits=[[0, 0, 0] for _ in range(L)])
         self.inflight: dict = {}      # key -> Future of its device copy
+        self._prefetching: dict = {}  # key -> Future of a prefetch copy not yet used or settled
+        self._last_layer = None       # (experts, counts, host, moved) of the last request: see last_idle_link_s
         self._lock = threading.Lock()
         self.demand_pool = ThreadPoolExecutor(threads, thread_name_prefix="tiered-moe-demand")
         self.prefetch_pool = ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="tiered-moe-prefetch")
@@ -239,12 +269,13 @@ class ExpertStore:
             bar.close()
         self.stats.bytes["disk_to_host"] += len(keys) * m.blob_bytes
 
-    def _views(self, key: int) -> dict:
-        slot = self.dev.slot_of[key]
-        v = self._slot_views.get(slot)
+    def _views(self, key: int, host: bool = False) -> dict:
+        slab = self.host if host else self.dev
+        slot = slab.slot_of[key]
+        v = self._slot_views.get((host, slot))
         if v is None:   # views of a slot stay valid while its bytes change: build them once
-            blob = self.dev.data[slot]
-            v = self._slot_views[slot] = {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
+            blob = slab.data[slot]
+            v = self._slot_views[(host, slot)] = {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
                                           for ts in self.m.tensors}
         return v
 
@@ -321,9 +352,14 @@ class ExpertStore:
         return bad
 
     # -- API -----------------------------------------------------------------------------------
-    def request(self, layer: int, experts, t: int) -> Fetch:
-        """Experts one layer needs now. Returns at once; misses stream in."""
+    def request(self, layer: int, experts, t: int, counts=None) -> Fetch:
+        """Experts one layer needs now. Returns at once; misses stream in. ``counts``: tokens
+        routed to each expert (aligned with ``experts``; hybrid decisions weigh them); default 1."""
         m = self.m
+        if counts is not None:
+            cmap = {}
+            for e, c in zip(experts, counts):
+                cmap[int(e)] = cmap.get(int(e), 0) + int(c)
         experts = sorted({int(e) for e in experts})
         if experts and (experts[0] < 0 or experts[-1] >= m.num_experts):
             raise ValueError(f"layer {layer}: expert ids must be in [0, {m.num_experts}), got {experts}")
@@ -334,22 +370,28 @@ class ExpertStore:
             raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the device tier holds {pool_cap}: "
                              f"waves need a host tier that holds every expert; raise the device or host budget")
         keys = [layer * m.num_experts + e for e in experts]
-        d = self.placement.access_detail(layer, keys, t)
+        cnt = [cmap[e] for e in experts] if counts is not None else None
+        d = self.placement.access_detail(layer, keys, t, counts=cnt)
+        self._cancel_prefetches(layer, set(keys))
+        host = frozenset(k - layer * m.num_experts for k in d["host"])
+        self.stats.computed["host"] += len(host)
+        self.stats.computed["device"] += len(keys) - len(host)
+        self._last_layer = (experts, cnt, host, len(d["misses"]))
         self.stats.requests += 1
         self.stats.waves += d["waves"] - 1
         self.stats.hits["device"] += d["hits"]
         self.stats.hits["disk"] += len(d["from_disk"])
-        self.stats.hits["host"] += len(d["misses"]) - len(d["from_disk"])
+        self.stats.hits["host"] += len(keys) - d["hits"] - len(d["from_disk"])   # moved or computed on the host
         lh = self.stats.layer_hits[layer]
         lh[0] += d["hits"]
-        lh[1] += len(d["misses"]) - len(d["from_disk"])
+        lh[1] += len(keys) - d["hits"] - len(d["from_disk"])
         lh[2] += len(d["from_disk"])
         plan = d["wave_plan"]
         if plan is not None:
             keys, new, ev = plan[0]
             started = self._apply({"device_evicted": ev, "host_evicted": [], "from_disk": [], "loaded": new},
                                   self.demand_pool)
-            return Fetch(self, layer, experts, {k - layer * m.num_experts: f for k, f in started.items()}, plan)
+            return Fetch(self, layer, experts, {k - layer * m.num_experts: f for k, f in started.items()}, plan, host)
         started = self._apply({**d, "loaded": d["misses"]}, self.demand_pool)
         pending = {}
         for e, k in zip(experts, keys):
@@ -363,7 +405,37 @@ class ExpertStore:
                 except Exception as ex:  # noqa: BLE001
                     self.invalidate(k)
                     raise ExpertLoadError(f"layer {layer} expert {e}: {ex}") from None
-        return Fetch(self, layer, experts, pending)
+        return Fetch(self, layer, experts, pending, host=host)
+
+    @property
+    def last_idle_link_s(self) -> float:
+        """Link time the last requested layer leaves idle: the window of the next layer's
+        prefetch (the prefetch rule asks; computed only then)."""
+        if self._last_layer is None:
+            return 0.0
+        experts, cnt, host, moved = self._last_layer
+        cnt = cnt or [1] * len(experts)
+        return self.cost.idle_link_seconds([c for e, c in zip(experts, cnt) if e not in host], moved,
+                                           [c for e, c in zip(experts, cnt) if e in host])
+
+    def _cancel_prefetches(self, layer: int, needed: set) -> None:
+        """The layer is running: a prefetch for it that has not started and is not needed now is
+        dropped (it would only take link time from demand loads); one that started completes."""
+        if not self._prefetching:
+            return
+        E = self.m.num_experts
+        for k in [k for k in self._prefetching if k // E == layer]:
+            fut = self._prefetching.pop(k)
+            if k in needed or not fut.cancel():
+                continue
+            self.inflight.pop(k, None)
+            pl = self.placement
+            pl.pending.discard(k)
+            if k in self.dev.slot_of:
+                self.dev.release(k)
+            pl.device[layer].remove(k)
+            self.stats.prefetch_cancelled += 1
+            self.stats.bytes["host_to_device"] -= self.m.blob_bytes   # counted when it was issued
 
     def prefetch(self, layer: int, experts, t: int, protect: "list[int] | None" = None) -> int:
         """Bring predicted experts of ``layer`` ahead of need; bounded, never blocks demand loads.
@@ -373,7 +445,9 @@ class ExpertStore:
         E = self.m.num_experts
         keys = [layer * E + int(e) for e in experts]
         d = self.placement.prefetch_detail(layer, keys, t, set(protect or ()))
-        self._apply(d, self.prefetch_pool)
+        started = self._apply(d, self.prefetch_pool)
+        disk = set(d["from_disk"])    # a half-read host slot must not be dropped: only host->device copies are cancelled
+        self._prefetching.update({k: f for k, f in started.items() if k not in disk})
         self.stats.prefetch_loaded += len(d["loaded"])
         return len(d["loaded"])
 
@@ -424,7 +498,9 @@ class ExpertStore:
         res, cap = self.resident_bytes(), self.capacity_bytes()
         return {"hits": dict(st.hits), "layer_hits": [list(x) for x in st.layer_hits], "bytes": dict(st.bytes),
                 "evictions": {"device": pl.device_evictions, "host": pl.host_evictions},
-                "prefetch": {"issued": pl.prefetch_issued, "used": pl.prefetch_used, "wasted": pl.prefetch_wasted},
+                "prefetch": {"issued": pl.prefetch_issued, "used": pl.prefetch_used, "wasted": pl.prefetch_wasted,
+                             "wasted_bytes": pl.prefetch_wasted * self.m.blob_bytes, "cancelled": st.prefetch_cancelled},
+                "computed": dict(st.computed), "host_compute_seconds": st.host_compute_seconds,
                 "resident_bytes": res, "capacity_bytes": cap,
                 "resident_experts": {k: v // stride for k, v in res.items()},
                 "capacity_experts": {k: v // stride for k, v in cap.items()},

@@ -21,6 +21,9 @@ def test_gpu_check_dry_run_covers_every_step(tmp_path):
         q = R["quantized"][name]
         assert q["dequant_us"] > 0 and q["dequant_plus_matmul_us"] >= q["dequant_us"] * 0.5 and q["bytes"] > 0
     assert R["quantized"]["mxfp4"]["bytes"] < R["quantized"]["fp8"]["bytes"]
+    h = R["hybrid"]
+    assert h["transfer_only_ms"] > 0 and h["hybrid_ms"] > 0 and h["resident_ms"] > 0
+    assert h["host_expert_us_measured"] > 0 and h["host_expert_us_predicted"] > 0
     # without --dry-run and without CUDA it refuses with a clear message
     if not __import__("torch").cuda.is_available():
         q = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py")], cwd=ROOT, env=env,

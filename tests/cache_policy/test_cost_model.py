@@ -67,3 +67,96 @@ def test_shipped_cpu_profile_loads_and_is_used_by_replay(flame_trace):
     assert prof.disk_GBps > 0 and prof.h2d_GBps(17 * 2**20) > 0
     r = replay_batch(flame_trace, ReplayConfig(profile="cpu", device_capacity="0.2"), 1)
     assert r["profile"] == "cpu" and r["projected_tokens_per_s"] > 0
+
+
+def _flat_profile(tmp_path, **extra):
+    p = tmp_path / "hyb.json"
+    p.write_text(json.dumps({
+        "name": "hyb", "host_to_device_GBps_by_copy_MiB": {"1": 1.0}, "disk_to_host_GBps": 0.5,
+        "expert_compute_us_by_tokens": {"1": 100.0, "8": 300.0}, "reference_expert": {"params": 1000}, **extra}))
+    return str(p)
+
+
+def _brute_force_split(cost, hit_counts, miss_counts):
+    """Every subset of the misses on the host: the best layer time (written from the docstring's model)."""
+    import itertools
+    dev, host = cost.tables(max(list(hit_counts) + list(miss_counts)))
+    best = None
+    for r in range(len(miss_counts) + 1):
+        for sub in itertools.combinations(range(len(miss_counts)), r):
+            c = sum(dev[n] for n in hit_counts) + sum(dev[n] for i, n in enumerate(miss_counts) if i not in sub)
+            h = sum(host[miss_counts[i]] for i in sub)
+            moved = len(miss_counts) - r
+            D = moved * cost.t_link
+            d = max(c, D + cost.c_min) if moved else c
+            t = max(d, h) if cost.concurrent else d + h
+            best = t if best is None else min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_hybrid_split_is_the_brute_force_optimum(tmp_path, concurrent):
+    rng = np.random.default_rng(0)
+    prof = cm.load_profile(_flat_profile(tmp_path, host_expert_compute_us_by_tokens={"1": 900.0, "8": 1500.0},
+                                         host_concurrent=concurrent))
+    cost = cm.HybridCost(prof, params=1000, nbytes=1_000_000)    # 1 ms to move, 0.1 ms on the device, 0.9 on the host
+    for _ in range(60):
+        hits = [1] * int(rng.integers(0, 4))
+        m = int(rng.integers(1, 8))
+        for misses in ([1] * m, rng.integers(1, 9, m).tolist()):
+            sel = cost.split(hits, misses)
+            dev, host = cost.tables(8)
+            moved = [n for i, n in enumerate(misses) if i not in sel]
+            c = sum(dev[n] for n in hits + moved)
+            t = cost.layer_seconds(c, len(moved), sum(host[misses[i]] for i in sel))
+            opt = _brute_force_split(cost, hits, misses)
+            all_dev = cost.layer_seconds(sum(dev[n] for n in hits + misses), len(misses), 0.0)
+            all_host = cost.layer_seconds(sum(dev[n] for n in hits), 0, sum(host[n] for n in misses))
+            assert t <= min(all_dev, all_host) * (1 + 1e-9)
+            if len(set(misses)) == 1:       # equal token counts (batch 1): the exact optimum
+                assert t == pytest.approx(opt)
+            else:                           # mixed counts: a ranking's best prefix, close to it
+                assert t <= opt * 1.5
+    # Batch 1 on the H200 anchors: 1.22 ms to move a K3 bf16 expert, 0.8 ms on 16 host cores ->
+    # of 6 misses the host takes 4: max(2 x 1.22 + 0.03, 4 x 0.81) = 3.23 ms beats 3 on the host
+    # (3 x 1.22 + 0.03 = 3.68 ms) and 5 (5 x 0.81 = 4.04 ms).
+    h200 = cm.HybridCost(cm.load_profile("h200"), cm.expert_params(3584, 3072), 66060288)
+    assert len(h200.split([], [1] * 6)) == 4
+    # MXFP4 moves in 0.33 ms: moving wins for most of them.
+    mx = cm.HybridCost(cm.load_profile("h200"), cm.expert_params(3584, 3072), 17547264)
+    assert len(mx.split([], [1] * 6)) <= 2
+
+
+def test_hybrid_projection_by_hand(tmp_path):
+    # CPU-like profile (host = device curve, not concurrent): moving costs the copy and saves nothing,
+    # so every miss is computed from host memory and a step is the compute of its experts.
+    prof = _flat_profile(tmp_path)
+    tr = Trace(ids=np.array([[[0, 1]], [[1, 2]]]), seq_offsets=np.array([0, 2]), num_experts=4)
+    r = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="2", profile=prof,
+                                      expert_bytes=1_000_000, dtype="fp8", cpu_experts="auto"), 1)
+    comp = 100e-6 * (1e6 / 1000)
+    assert r["host_compute"]["experts"] == 4 and r["host_compute"]["share"] == 1.0
+    assert r["bytes_per_token"]["host_to_device"] == 0 and r["hits"]["device"] == 0
+    assert r["projected"]["step_ms_overlap"] == pytest.approx(2 * comp * 1e3)
+    # The same with a concurrent host 9x slower than the device and a 1 ms link: step 0 needs {0, 1},
+    # both missing; best split: one moved (max(1 ms + 0.1 s, ...)) vs host 0.9 s each ...
+    prof2 = _flat_profile(tmp_path, host_expert_compute_us_by_tokens={"1": 900.0}, host_concurrent=True)
+    r2 = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="2", profile=prof2,
+                                       expert_bytes=1_000_000, dtype="fp8", cpu_experts="auto"), 1)
+    # ... moving both (1 ms + 2 x 0.1 s device compute) beats any host share (0.9 s): nothing on the host.
+    assert r2["host_compute"]["experts"] == 0
+    r3 = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="2", profile=prof2,
+                                       expert_bytes=1_000_000, dtype="fp8"), 1)
+    assert r2["projected"]["step_ms_overlap"] == pytest.approx(r3["projected"]["step_ms_overlap"])
+
+
+def test_cpu_experts_parse_and_errors():
+    from cache_policy.keys import CpuExperts
+    assert CpuExperts.parse("auto").auto and CpuExperts.parse("3").layers == 3 and not CpuExperts.parse("0").enabled
+    with pytest.raises(ValueError, match="neither 'auto' nor a number"):
+        CpuExperts.parse("half")
+    with pytest.raises(ValueError, match="has 4 MoE layers"):
+        CpuExperts.parse("5", num_layers=4)
+    tr = Trace(ids=np.array([[[0, 1]], [[1, 2]]]), seq_offsets=np.array([0, 2]), num_experts=4)
+    with pytest.raises(ValueError, match="--cpu-experts 2: the trace has 1 MoE layers"):
+        replay_batch(tr, ReplayConfig(device_capacity="2", cpu_experts="2"), 1)

@@ -1,6 +1,6 @@
 """Placement against the brute-force oracle, capacities, Belady's bound, inclusive tiers."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from cache_policy.placement import Pool, TieredPlacement
 from cache_policy.policies import LRU
@@ -58,15 +58,19 @@ def test_belady_is_never_beaten_by_an_online_policy(seed, cap, batch, scope):
     if scope == "layer":
         cap = min(max(cap, 3), 10)
     base = dict(scope=scope, device_capacity=str(cap))
-    best = replay_batch(tr, ReplayConfig(policy="belady", **base), batch)["hits"]["device"]
+    rb = replay_batch(tr, ReplayConfig(policy="belady", **base), batch)
+    # MIN is the optimum when each miss may evict any resident not needed now. A group larger than
+    # the pool runs in waves, whose order (not the policy) decides what stays: no bound there.
+    assume(rb["waves"]["groups_over_capacity"] == 0)
+    best = rb["hits"]["device"]
     # static is left out: it starts with its pinned experts loaded (reported as warm_start),
     # while MIN bounds demand loading from an empty cache.
-    for policy in ("lru", "lfu", "freq", "none"):
+    for policy in ("lru", "lfu", "freq", "none", "reuse"):
         h = replay_batch(tr, ReplayConfig(policy=policy, **base), batch)["hits"]["device"]
         assert h <= best, (policy, h, best)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "freq", "static", "belady", "none"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "freq", "static", "belady", "none", "reuse"])
 @pytest.mark.parametrize("prefetch", ["none", "freq", "transition", "oracle"])
 def test_capacity_is_never_exceeded(policy, prefetch, monkeypatch):
     tr = small_trace(7, L=4, E=16, k=4, S=8, N=12)
@@ -124,7 +128,7 @@ def test_prefetch_accounting_used_and_wasted():
                             policy_factory=LRU)
     place.access(0, [0, 1], 0)
     assert place.prefetch(1, [4 + 2, 4 + 3], 0, {0, 1}) == (2, 0)
-    hits, host, disk, waves, used = place.access(1, [4 + 2, 4 + 0], 0)
+    hits, host, disk, waves, used, on_host = place.access(1, [4 + 2, 4 + 0], 0)
     assert (hits, host, used) == (1, 1, 1)          # expert 2 came from the prefetch, 0 did not
     assert place.prefetch_wasted == 1               # expert 3 was evicted unused to make room for 0
     assert place.prefetch_issued == 2 and place.prefetch_used == 1

@@ -71,7 +71,7 @@ def _trace():
 def test_oracle_prefetch_predictions_are_exact_and_accounting_adds_up():
     tr = _trace()
     r = replay_batch(tr, ReplayConfig(policy="lru", scope="layer", device_capacity="6", prefetch="oracle",
-                                      prefetch_budget=16), 1)
+                                      prefetch_budget=16, prefetch_rule="always"), 1)
     ps = r["prefetch_stats"]
     assert ps["prediction_precision"] == 1.0 and ps["prediction_recall"] == 1.0
     assert ps["issued"] == ps["used"] + ps["wasted"] + ps["unused_at_end"]
@@ -84,7 +84,8 @@ def test_oracle_prefetch_predictions_are_exact_and_accounting_adds_up():
 def test_prefetch_precision_recall_are_measured(name):
     tr = _trace()
     r0 = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="12"), 1)
-    r = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="12", prefetch=name), 1)
+    r = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity="12", prefetch=name,
+                                      prefetch_rule="always"), 1)
     ps = r["prefetch_stats"]
     assert ps["issued"] == ps["used"] + ps["wasted"] + ps["unused_at_end"]
     assert 0 < ps["precision"] <= 1 and 0 < ps["recall"] <= 1
@@ -101,3 +102,38 @@ def test_transition_fitted_on_train_split_only(deepseek_trace):
     r = replay_batch(test, ReplayConfig(policy="lru", scope="global", device_capacity="0.1", prefetch="transition",
                                         fit_trace=train), 1)
     assert r["prefetch_stats"]["prediction_precision"] > 0.2
+
+
+def test_gate_calibrates_by_rank_and_moves_only_what_pays():
+    from cache_policy.prefetch import PrefetchGate
+    g = PrefetchGate(budget=3, link_s=1.0)
+    assert g.select([10, 11, 12], free_s=10.0) == []      # no track record yet: nothing moves
+    for _ in range(98):
+        g.observe([10, 11, 12], {10, 12})          # rank 0 always needed, rank 1 never, rank 2 always
+    p = g.probabilities()
+    assert p[0] == pytest.approx(98 / 100) and p[1] == 0.0 and p[2] == pytest.approx(98 / 100)
+    # A free window of 1.5 links: the first move is free, the second spills 0.5 - worth it at p=0.99.
+    assert g.select([10, 11, 12], free_s=1.5) == [10, 12]
+    # No idle link: each move spills a whole link time, never worth it at p < 1.
+    assert g.select([10, 11, 12], free_s=0.0) == []
+    # Resident candidates cost nothing and are not moved; spill counts only what is moved. In a full
+    # pool a move evicts: rank 1 (p = 0) is not worth a victim needed again with probability 0.3.
+    assert g.select([10, 11, 12], free_s=1.0, resident={10}, evict_p=0.3) == [12]
+    assert g.select([10, 11, 12], free_s=2.0, resident={10}, evict_p=0.0) == [12]   # p = 0 never pays
+    with pytest.raises(ValueError, match="budget must be at least 1"):
+        PrefetchGate(0, 1.0)
+
+
+@pytest.mark.parametrize("prefetch", ["freq", "transition", "oracle"])
+@pytest.mark.parametrize("profile", ["h200", "cpu"])
+def test_cost_rule_prefetch_is_never_worse_than_none(prefetch, profile):
+    tr = _trace()
+    for cap in ("0.1", "0.2", "0.5"):
+        for batch in (1, 4):
+            base = dict(policy="lru", scope="global", device_capacity=cap, profile=profile)
+            r0 = replay_batch(tr, ReplayConfig(**base), batch)
+            r = replay_batch(tr, ReplayConfig(**base, prefetch=prefetch), batch)
+            assert r["projected_tokens_per_s"] >= r0["projected_tokens_per_s"] * (1 - 1e-9), (cap, batch)
+            ps = r["prefetch_stats"]
+            assert ps["issued"] == ps["gate_moved"] - (ps["gate_moved"] - ps["issued"])   # nothing beyond the gate
+            assert ps["issued"] <= ps["gate_moved"]

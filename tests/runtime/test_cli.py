@@ -48,7 +48,7 @@ def test_prefetch_fit_then_replay(tmp_path):
     out = str(tmp_path / "tm.npz")
     cli("prefetch", "fit", "--trace", shared_trace("flame-moe-290m.npz"), "--out", out)
     p = cli("replay", "--trace", shared_trace("flame-moe-290m.npz"), "--prefetch", "transition",
-            "--transition-model", out, "--json")
+            "--transition-model", out, "--prefetch-rule", "always", "--json")
     assert json.loads(p.stdout)["prefetch_stats"]["issued"] > 0
 
 

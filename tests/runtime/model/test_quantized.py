@@ -156,6 +156,33 @@ def test_codec_dequantizes_into_reused_scratch_and_bf16():
     assert cv.gate_up_t.data_ptr() == draw["gate_up.t"].data_ptr()    # a view of the blob, no copy
 
 
+def test_codec_keeps_widened_experts_within_its_budget():
+    """bf16 experts computed in float32 on a CPU: widened once per expert key, the least recently
+    used dropped (its buffers reused) when the budget is full; no key - scratch as before."""
+    H, I = 64, 32
+    dense = expert_weight_specs(H, I, get_format("bf16"))
+    blobs = [{"gate_up.t": torch.randn(H, 2 * I).bfloat16(), "down.t": torch.randn(I, H).bfloat16()} for _ in range(3)]
+    c = ExpertCodec(dense, torch.float32, "cpu", cache_bytes=0)
+    assert c.widen and c.cache_bytes == 0
+    c.cache_bytes = 2 * c.operand_bytes
+    a = c.weights(blobs[0], (0, 0))
+    assert torch.equal(a.gate_up_t, blobs[0]["gate_up.t"].float()) and torch.equal(a.down_t, blobs[0]["down.t"].float())
+    assert c.weights(blobs[0], (0, 0)) is a                               # a hit: no conversion
+    c.weights(blobs[1], (0, 1))
+    c.weights(blobs[0], (0, 0))                                          # (0, 1) is now the least recently used
+    ptr = c.weights(blobs[1], (0, 1)).gate_up_t.data_ptr()
+    z = c.weights(blobs[2], (0, 2))                                      # evicts (0, 0), reuses its buffers
+    assert z.gate_up_t.data_ptr() == a.gate_up_t.data_ptr() and torch.equal(z.gate_up_t, blobs[2]["gate_up.t"].float())
+    assert set(c._cache) == {(0, 1), (0, 2)} and c.cached_bytes == 2 * c.operand_bytes
+    assert c.weights(blobs[1], (0, 1)).gate_up_t.data_ptr() == ptr
+    s = c.weights(blobs[0])                                              # no key: the scratch
+    assert s.gate_up_t.data_ptr() not in {ptr, z.gate_up_t.data_ptr()} and torch.equal(s.down_t, blobs[0]["down.t"].float())
+    c.drop()
+    assert not c._cache and c.cached_bytes == 0
+    # a float32 blob computed in float32 is the operand itself: nothing to keep
+    assert ExpertCodec(expert_weight_specs(H, I, get_format("fp32")), torch.float32, "cpu", cache_bytes=1 << 30).cache_bytes == 0
+
+
 # -- tiny checkpoints in the released layouts --------------------------------------------------------
 def fp8_quantize_ref(w, block):
     """Test-side FP8 tiles: scale = amax / 448; the cast to E4M3 is torch's (round to nearest even)."""

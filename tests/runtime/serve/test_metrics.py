@@ -16,8 +16,8 @@ HIT_RATE = ('sum(tiered_moe_expert_hits_total{tier="device"}) / (sum(tiered_moe_
 HIT_RATE_PANEL = ('sum(rate(tiered_moe_expert_hits_total{tier="device"}[1m])) / '
                   '(sum(rate(tiered_moe_expert_hits_total{tier="device"}[1m])) + '
                   'sum(rate(tiered_moe_expert_misses_total{tier="device"}[1m])))')
-ALLOWED_LABELS = {"tier", "layer", "link", "finish_reason", "le", "state", "cause"}
-CLOSED = {"state": {"used", "free"}, "cause": {"engine", "engine_exit"}, "tier": {"device", "host"},
+ALLOWED_LABELS = {"where", "tier", "layer", "link", "finish_reason", "le", "state", "cause"}
+CLOSED = {"where": {"device", "host"}, "state": {"used", "free"}, "cause": {"engine", "engine_exit"}, "tier": {"device", "host"},
           "link": {"disk_to_host", "host_to_device"}, "finish_reason": {"stop", "length", "abort", "error"}}
 
 
@@ -69,7 +69,8 @@ def test_names_prefix_units_and_bounded_labels(server):
             "tiered_moe_step_batch_size_bucket", "tiered_moe_step_unique_experts_bucket", "tiered_moe_requests_running",
             "tiered_moe_requests_waiting", "tiered_moe_time_to_first_token_seconds_bucket",
             "tiered_moe_inter_token_latency_seconds_bucket", "tiered_moe_prompt_tokens_total",
-            "tiered_moe_generation_tokens_total"]
+            "tiered_moe_generation_tokens_total", "tiered_moe_expert_compute_total",
+            "tiered_moe_host_expert_compute_seconds_total", "tiered_moe_prefetch_cancelled_total"]
     assert [n for n in need if n not in names] == []
     # The counters agree with each other: every device access is a hit or a miss, and the cache did both.
     hits = sum(v for (n, lb), v in s.items() if n == "tiered_moe_expert_hits_total" and ("tier", "device") in lb)
@@ -80,6 +81,9 @@ def test_names_prefix_units_and_bounded_labels(server):
     moved = s[("tiered_moe_transfer_bytes_total", (("link", "host_to_device"),))]
     from runtime.store import Manifest
     assert moved == miss * Manifest.read(server.cfg.model).blob_bytes   # one blob per device miss
+    # Without --cpu-experts every needed expert is computed on the device.
+    assert s[("tiered_moe_expert_compute_total", (("where", "device"),))] == hits + miss
+    assert s[("tiered_moe_expert_compute_total", (("where", "host"),))] == 0
 
 
 def _free_port():

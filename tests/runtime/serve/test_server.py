@@ -240,18 +240,33 @@ def test_disconnect_mid_stream_frees_the_request(server):
 
 
 def test_two_servers_side_by_side(tiny_store):
+    """Two servers in one process; the second with a small device tier, hybrid execution and the
+    cost-ruled prefetcher: the same text, and its metrics count the experts computed on the host."""
+    import urllib.request
     from runtime.serve.api import Server
     from runtime.serve.engine_proc import EngineConfig
+    from runtime.store import Manifest
+    stride = Manifest.read(tiny_store[1]).blob_stride
     a = Server(EngineConfig(model=tiny_store[1]), port=0).start()
-    b = Server(EngineConfig(model=tiny_store[1]), port=0).start()
+    b = Server(EngineConfig(model=tiny_store[1], expert_budget=4 * stride, cpu_experts="auto", prefetch="transition"),
+               port=0).start()
     try:
         assert a.engine.tmp != b.engine.tmp and a.port != b.port
         ra = client(a, key="x").completions.create(model=a.model_name, prompt="same", max_tokens=5, temperature=0)
         rb = client(b, key="x").completions.create(model=b.model_name, prompt="same", max_tokens=5, temperature=0)
         assert ra.choices[0].text == rb.choices[0].text
+        text = urllib.request.urlopen(b.url + "/metrics").read().decode()
+        host = [ln for ln in text.splitlines() if ln.startswith('tiered_moe_expert_compute_total{where="host"}')]
+        assert host and float(host[0].split()[-1]) > 0
     finally:
         a.close()
         b.close()
+    with pytest.raises(ValueError, match="neither 'auto' nor a number"):
+        EngineConfig(model=tiny_store[1], cpu_experts="some")
+    with pytest.raises(ValueError, match="--prefetch-rule 'never'"):
+        EngineConfig(model=tiny_store[1], prefetch_rule="never")
+    with pytest.raises(ValueError, match="unknown hardware profile 'tpu'"):
+        EngineConfig(model=tiny_store[1], profile="tpu")
 
 
 def test_engine_start_failure_is_a_clear_error(tmp_path, tiny_store):

@@ -194,3 +194,38 @@ def test_writer_refuses_wrong_tensors(tmp_path):
     w.write(0, 0, {"w": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match="never written"):
         w.close()
+
+
+def test_host_computed_experts_are_views_of_the_host_slot_and_move_nothing(store_dir):
+    with ExpertStore(store_dir, device_budget=4 * stride(store_dir), cpu_experts="auto", profile="cpu") as st:
+        f = st.request(1, [2, 5], 0, counts=[1, 3])
+        assert f.host == {2, 5} and f.on_host(2) and not f.pending
+        for e in (2, 5):
+            got = logical(f.tensors(e))
+            want = expert_tensors(1, e)
+            for k in want:
+                assert torch.equal(got[k].to(want[k].dtype), want[k])
+            assert f.tensors(e)["gate.t"].data_ptr() != 0
+        assert st.stats.bytes["host_to_device"] == 0 and st.stats.computed == {"device": 0, "host": 2}
+        assert st.resident(1) == []
+    with pytest.raises(ValueError, match="neither 'auto' nor a number"):
+        ExpertStore(store_dir, device_budget=4 * stride(store_dir), cpu_experts="most")
+    with pytest.raises(ValueError, match=f"the model has {L} MoE layers"):
+        ExpertStore(store_dir, device_budget=4 * stride(store_dir), cpu_experts=str(L + 1))
+
+
+def test_prefetches_not_started_when_their_layer_runs_are_cancelled(store_dir):
+    import threading
+    with ExpertStore(store_dir, device_budget=6 * stride(store_dir), threads=2) as st:
+        gate = threading.Event()
+        st.prefetch_pool.submit(gate.wait)              # the one prefetch worker is busy
+        assert st.prefetch(2, [1, 3, 4], 0) == 3
+        assert set(st.resident(2)) == {1, 3, 4}
+        moved = st.stats.bytes["host_to_device"]
+        f = st.request(2, [3, 6], 0)                    # 3 is needed (it waits for its copy); 1 and 4 are not
+        assert st.stats.prefetch_cancelled == 2
+        assert set(st.resident(2)) == {3, 6}
+        assert st.stats.bytes["host_to_device"] == moved - 2 * st.m.blob_bytes + st.m.blob_bytes   # 2 dropped, 6 loaded
+        gate.set()
+        got = logical(f.tensors(3))
+        assert torch.equal(got["gate"], expert_tensors(2, 3)["gate"])
