@@ -7,7 +7,11 @@ under the cost rule (the default: a prediction moves only when it is expected to
 `lru+hybrid` is LRU with `--cpu-experts auto`. Each cell: device hit rate and projected tokens/s
 (h200 profile, K3-sized bf16 experts). Writes a markdown table and the raw JSON rows.
 
-Usage: python bench/policy_table.py [--traces a.npz,b.npz] [--jobs 2] [--out bench/results/policy_table]
+Each trace is cut to its first ``--sequences`` sequences (default 100: about a tenth of the
+DeepSeek trace, all of FLAME's 32): the prefetch, hybrid and reuse columns take the general
+replay path, minutes per replay of the whole DeepSeek trace at batch 1 on 2 cores.
+
+Usage: python bench/policy_table.py [--traces a.npz,b.npz] [--sequences 100] [--jobs 2] [--out bench/results/policy_table]
 """
 import argparse
 import json
@@ -33,8 +37,9 @@ BATCHES = (1, 8, 64)
 def run_one(job):
     from cache_policy.replay import ReplayConfig, replay_batch
     from cache_policy.traces import load_trace
-    path, policy, prefetch, scope, cap, batch = job
+    path, policy, prefetch, scope, cap, batch, nseq = job
     tr = load_trace(path)
+    tr = tr.subset(range(min(nseq, tr.num_sequences)))
     hybrid = prefetch == "hybrid"
     r = replay_batch(tr, ReplayConfig(policy=policy, prefetch="none" if hybrid else prefetch, scope=scope,
                                       device_capacity=cap, cpu_experts="auto" if hybrid else "0"), batch)
@@ -47,10 +52,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--traces", default=DEFAULT)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--sequences", type=int, default=100, help="replay each trace's first N sequences")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "policy_table"))
     a = ap.parse_args()
     from tqdm import tqdm
-    jobs = [(p, pol, pf, s, c, b) for p in a.traces.split(",") for s in SCOPES for c in CAPS for b in BATCHES
+    jobs = [(p, pol, pf, s, c, b, a.sequences) for p in a.traces.split(",") for s in SCOPES for c in CAPS for b in BATCHES
             for pol, pf in COLUMNS]
     jobs.sort(key=lambda j: (j[5] != 1, j[2] == "none"))  # slow ones (batch 1, prefetch) first
     t0 = time.time()
@@ -62,7 +68,7 @@ def main():
     wall = time.time() - t0
     with open(a.out + ".json", "w") as f:
         json.dump(rows, f, indent=0)
-    cmd = "python bench/policy_table.py --jobs %d" % a.jobs
+    cmd = "python bench/policy_table.py --jobs %d --sequences %d" % (a.jobs, a.sequences)
     with open(a.out + ".md", "w") as f:
         f.write(f"# Device hit rate by policy, capacity, scope and batch\n\nCommand: `{cmd}` ({wall / 60:.1f} min on "
                 f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}). Raw rows: `policy_table.json`.\n\n"

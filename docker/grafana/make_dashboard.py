@@ -48,6 +48,11 @@ PANELS = [
                                ("rate(tiered_moe_prefetch_used_total[1m])", "used"),
                                ("rate(tiered_moe_prefetch_wasted_total[1m])", "wasted")]),
     ("Evictions/s per tier", "short", [("sum by (tier)(rate(tiered_moe_expert_evictions_total[1m]))", "{{tier}}")]),
+    ("Experts computed/s: device vs host CPU (hybrid execution)", "short",
+     [("sum by (where)(rate(tiered_moe_expert_compute_total[1m]))", "{{where}}")]),
+    ("Host expert compute (s/s) and prefetches cancelled/s", "short",
+     [("rate(tiered_moe_host_expert_compute_seconds_total[1m])", "host compute s/s"),
+      ("rate(tiered_moe_prefetch_cancelled_total[1m])", "prefetch cancelled/s")]),
 ]
 
 
