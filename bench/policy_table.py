@@ -45,7 +45,13 @@ def run_one(job):
                                       device_capacity=cap, cpu_experts="auto" if hybrid else "0"), batch)
     keep = ("policy", "prefetch", "scope", "device_capacity", "batch", "hit_rate", "unique_experts_per_layer_step",
             "prefetch_stats", "accesses", "wall_seconds", "bytes_per_token", "projected_tokens_per_s", "waves")
-    return {"trace": os.path.basename(path), **{k: r[k] for k in keep}}
+    # The column's own label: a hybrid row must not pass for plain LRU (same policy, no prefetcher).
+    return {"trace": os.path.basename(path), **{k: r[k] for k in keep}, "prefetch": prefetch,
+            "host_compute": r["host_compute"]}
+
+
+def label(policy, prefetch):
+    return policy if prefetch == "none" else f"{policy}+{prefetch}"
 
 
 def main():
@@ -54,13 +60,24 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--sequences", type=int, default=100, help="replay each trace's first N sequences")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "policy_table"))
+    ap.add_argument("--redo", default=None, help="comma-separated column labels (e.g. lru,lru+hybrid): rerun only "
+                                                  "those and keep the other rows of the existing JSON")
     a = ap.parse_args()
     from tqdm import tqdm
     jobs = [(p, pol, pf, s, c, b, a.sequences) for p in a.traces.split(",") for s in SCOPES for c in CAPS for b in BATCHES
             for pol, pf in COLUMNS]
+    kept = []
+    if a.redo:
+        redo = set(a.redo.split(","))
+        unknown = redo - {label(p, f) for p, f in COLUMNS}
+        if unknown:
+            raise SystemExit(f"--redo: unknown column(s) {', '.join(sorted(unknown))}")
+        with open(a.out + ".json") as f:
+            kept = [r for r in json.load(f) if label(r["policy"], r["prefetch"]) not in redo]
+        jobs = [j for j in jobs if label(j[1], j[2]) in redo]
     jobs.sort(key=lambda j: (j[5] != 1, j[2] == "none"))  # slow ones (batch 1, prefetch) first
     t0 = time.time()
-    rows = []
+    rows = list(kept)
     with ProcessPoolExecutor(a.jobs) as ex:
         futs = [ex.submit(run_one, j) for j in jobs]
         for f in tqdm(as_completed(futs), total=len(futs), desc="replays"):
@@ -69,6 +86,8 @@ def main():
     with open(a.out + ".json", "w") as f:
         json.dump(rows, f, indent=0)
     cmd = "python bench/policy_table.py --jobs %d --sequences %d" % (a.jobs, a.sequences)
+    if a.redo:   # the other rows come from the previous full run of the same command
+        cmd += f"`, then `{cmd} --redo {a.redo}"
     with open(a.out + ".md", "w") as f:
         f.write(f"# Device hit rate by policy, capacity, scope and batch\n\nCommand: `{cmd}` ({wall / 60:.1f} min on "
                 f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}). Raw rows: `policy_table.json`.\n\n"
