@@ -97,8 +97,10 @@ def _job(j):
     nbytes = f["expert_bytes_mxfp4"][0]
     dev_slots = int((f["hbm_bytes"][0] - f["non_expert_bytes"][0] - f["kv_reserve_bytes"][0]) // nbytes)
     host = None if scenario == "B" else str(int(f["host_dram_bytes_A"][0] // nbytes))
+    # dtype mxfp4: the blob's bytes at 4.25 bits/param give the expert's parameters, which scale its
+    # compute (without it the 17.5 MB blob read as bf16 is a quarter of the expert).
     cfg = ReplayConfig(policy=policy, device_capacity=str(dev_slots), host_capacity=host, profile="h200",
-                       geometry="kimi-k3", expert_bytes=nbytes)
+                       geometry="kimi-k3", expert_bytes=nbytes, dtype="mxfp4")
     r = replay_batch(tr, cfg, batch)
     # Hybrid execution: the cost model computes some host-resident misses on the 16 host cores.
     rh = replay_batch(tr, dataclasses.replace(cfg, cpu_experts="auto"), batch)
