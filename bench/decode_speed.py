@@ -138,14 +138,50 @@ def build_mid(hf_dir: str, store: str) -> None:
     convert(hf_dir, store)
 
 
+HYB_HEADING = "## Hybrid attention: Kimi-Linear-shaped checkpoint (issue 12)"
+# Kimi-Linear's layout at the mid-size checkpoint's width: KDA:MLA 3:1, 32 experts top-4 + one shared
+# expert, every layer MoE (as MID), MLA without RoPE (latent 128 + rotary key 32), KDA 8 heads of 64.
+HYB = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+           num_key_value_heads=8, num_local_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+           n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+           v_head_dim=64, linear_head_dim=64, linear_num_heads=8, routed_scaling_factor=2.5, max_position_embeddings=4096,
+           layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+           mlp_layer_types=["sparse"] * 8, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def build_hybrid(hf_dir: str, store: str) -> None:
+    import transformers
+    torch.manual_seed(0)
+    m = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**HYB)).eval()
+    with torch.no_grad():   # scaled as the tests do; KDA's decay parameters keep their init range
+        for n, p in m.named_parameters():
+            if "norm" not in n and not n.endswith(("A_log", "dt_bias")):
+                p.mul_(4.0)
+    m.to(torch.bfloat16).save_pretrained(hf_dir)
+    convert(hf_dir, store)
+
+
 def mid_worker(side: str, threads: int, batch: int, hf_dir: str, store: str) -> None:
     """One configuration in this (fresh) process; prints tokens/s and the first timed run's tokens as JSON."""
     torch.set_num_threads(threads)
     if side == "ours":
         rate, _, outs = ours(store, batch, frac=1.0, policy="lru", prefetch="none")
+    elif side == "ours25":   # a quarter of the experts on the device, the rest computed from the host tier
+        rate, _, outs = ours(store, batch, frac=0.25, policy="lru", prefetch="none", cpu_experts="auto")
     else:
         rate, outs = reference(hf_dir, batch, reps=2, dtype=torch.float32 if side == "hf32" else torch.bfloat16)
     print("RESULT " + json.dumps({"rate": rate, "out": outs}), flush=True)
+
+
+def run_worker(side: str, threads: int, batch: int, hf: str, store: str) -> dict:
+    """One configuration in a fresh process (mid_worker): {"rate": tok/s, "out": tokens}."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--mid-worker", side, str(threads), str(batch), hf,
+                        store], capture_output=True, text=True, env=env)
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if p.returncode or not line:
+        raise RuntimeError(f"worker {side} threads {threads} batch {batch} failed:\n{p.stderr[-3000:]}")
+    return json.loads(line[0][len("RESULT "):])
 
 
 def run_mid(workdir: str, reps: int = 2) -> list:
@@ -155,18 +191,12 @@ def run_mid(workdir: str, reps: int = 2) -> list:
     if not Manifest.current(store):
         build_mid(hf, store)
     best, outs = {}, {}
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
     load0 = os.getloadavg()[0]
     for rep in range(reps):
         for batch in (1, 8):
             for threads in (1, 2):
                 for side in ("ours", "hf32") + (("hf16",) if rep == 0 else ()):
-                    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--mid-worker", side, str(threads),
-                                        str(batch), hf, store], capture_output=True, text=True, env=env)
-                    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-                    if p.returncode or not line:
-                        raise RuntimeError(f"mid-size worker {side} threads {threads} batch {batch} failed:\n{p.stderr[-3000:]}")
-                    r = json.loads(line[0][len("RESULT "):])
+                    r = run_worker(side, threads, batch, hf, store)
                     key = (side, batch, threads)
                     best[key] = max(best.get(key, 0.0), r["rate"])
                     outs[key] = r["out"]
@@ -208,6 +238,73 @@ def run_mid(workdir: str, reps: int = 2) -> list:
     return lines
 
 
+def run_hybrid(workdir: str) -> list:
+    """Kimi-Linear-shaped checkpoint: ours resident and with a 25% device tier against transformers'
+    generate, batch 1 and 16, 1 and 2 threads, each in a fresh process; then the cache bytes per
+    sequence from the cache specs beside an all-MLA model of the same width."""
+    from runtime.model import MoEConfig
+    from runtime.model.moe import kv_bytes_per_token, state_bytes_per_sequence
+    hf, store = os.path.join(workdir, "hyb-hf"), os.path.join(workdir, "hyb-store")
+    if not Manifest.current(store):
+        build_hybrid(hf, store)
+    best, outs = {}, {}
+    load0 = os.getloadavg()[0]
+    sides = ("ours", "ours25", "hf32", "hf16")
+    for batch in (1, 16):
+        for threads in (1, 2):
+            for side in sides:
+                r = run_worker(side, threads, batch, hf, store)
+                best[(side, batch, threads)], outs[(side, batch, threads)] = r["rate"], r["out"]
+                print(f"hybrid batch {batch} threads {threads} {side}: {r['rate']:.1f} tok/s", flush=True)
+    cfg = MoEConfig.from_hf(hf)
+    lines = [f"\n{HYB_HEADING}\n\n", "Command: `python bench/decode_speed.py` (this section alone: `--sections hybrid`)\n\n",
+             f"Checkpoint: Kimi-Linear built with transformers (`KimiLinearForCausalLM`), the mid-size checkpoint's width: "
+             f"{HYB['num_hidden_layers']} layers, KDA:MLA 3:1 ({len(cfg.linear_layers)} Kimi Delta Attention layers of "
+             f"{HYB['linear_num_heads']} heads x {HYB['linear_head_dim']}, {len(cfg.attention_layers)} MLA layers without "
+             f"RoPE, latent {HYB['kv_lora_rank']} + key {HYB['qk_rope_head_dim']}), {HYB['num_local_experts']} experts "
+             f"top-{HYB['num_experts_per_tok']} + 1 shared expert in every layer, hidden {HYB['hidden_size']}, expert "
+             f"intermediate {HYB['moe_intermediate_size']}, vocab {HYB['vocab_size']}; saved in bf16. Greedy, {PROMPT}-token "
+             f"prompts, {NEW} new tokens per sequence; each (side, batch, threads) in a fresh process, one run each "
+             f"(ours: a warm-up, then the best of two prompt sets; transformers: the best of 2 generate calls). Sides: "
+             f"`ours` all experts resident; `ours 25%` a device tier of 25% of the experts, LRU, `--cpu-experts auto` "
+             f"(what decode_speed's (f) column found best on a CPU); `hf32` / `hf16` transformers in float32 / bf16 "
+             f"(its KDA runs its plain-torch fallback: flash-linear-attention and causal-conv1d are CUDA kernels).\n\n",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; 1-minute load average at "
+             f"the start and end of this section: {load0:.1f}, {os.getloadavg()[0]:.1f}.\n\n",
+             "| batch | threads | ours | ours 25% | transformers fp32 | transformers bf16 | ours / best transformers | "
+             "ours 25% / ours | ours == transformers fp32 tokens |\n", "|---|---|---|---|---|---|---|---|---|\n"]
+    for b in (1, 16):
+        for t in (1, 2):
+            g = lambda side: best[(side, b, t)]  # noqa: E731
+            hbest = max(g("hf32"), g("hf16"))
+            lines.append(f"| {b} | {t} | {g('ours'):.1f} | {g('ours25'):.1f} | {g('hf32'):.1f} | {g('hf16'):.1f} | "
+                         f"{g('ours') / hbest:.2f} | {g('ours25') / g('ours'):.2f} | "
+                         f"{outs[('ours', b, t)] == outs[('hf32', b, t)]} |\n")
+    lines.append("\nEach side at its best setting:\n\n")
+    for b in (1, 16):
+        ob = max((best[("ours", b, t)], t) for t in (1, 2))
+        hb = max((best[(s_, b, t)], s_, t) for s_ in ("hf32", "hf16") for t in (1, 2))
+        lines.append(f"- batch {b}: ours {ob[0]:.1f} tok/s ({ob[1]} thread(s)), transformers {hb[0]:.1f} tok/s "
+                     f"({hb[1]}, {hb[2]} thread(s)): ratio {ob[0] / hb[0]:.2f}\n")
+    # Cache bytes per sequence from the cache specs (bf16 cache, as on a GPU), against the same model
+    # with MLA in every layer.
+    full = MoEConfig.from_dict({**json.load(open(os.path.join(hf, "config.json"))),
+                                "layer_types": ["full_attention"] * HYB["num_hidden_layers"]})
+    dt = torch.bfloat16
+    per_tok, per_seq = kv_bytes_per_token(cfg, dt), state_bytes_per_sequence(cfg, dt)
+    full_tok = kv_bytes_per_token(full, dt)
+    lines += ["\nCache per sequence (bf16 KV and convolution state, float32 recurrent state), from the per-layer cache "
+              f"specs: this checkpoint {per_tok:,} bytes per token (its {len(cfg.attention_layers)} MLA layers) + "
+              f"{per_seq:,} bytes of fixed state (its {len(cfg.linear_layers)} KDA layers); the same model with MLA in "
+              f"all {HYB['num_hidden_layers']} layers {full_tok:,} bytes per token.\n\n",
+              "| context | Kimi-Linear-shaped | all MLA | ratio |\n", "|---|---|---|---|\n"]
+    for n, label in ((1024, "1k"), (32768, "32k"), (1 << 20, "1M")):
+        h, f_ = n * per_tok + per_seq, n * full_tok
+        lines.append(f"| {label} | {h / 2**20:,.1f} MiB | {f_ / 2**20:,.1f} MiB | {h / f_:.2f} |\n")
+    lines.append("\nGoals (issue 12): rows recorded; ours >= transformers at each side's best.\n")
+    return lines
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--mid-worker":
         side, threads, batch, hf_dir, store = sys.argv[2:7]
@@ -215,13 +312,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tiered-moe-bench-decode"))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "decode_speed.md"))
-    ap.add_argument("--sections", default="small,mid",
-                    help="small: the synthetic Mixtral-format rows; mid: the mid-size Qwen3-MoE section (issue 11)")
+    ap.add_argument("--sections", default="small,mid,hybrid",
+                    help="small: the synthetic Mixtral-format rows; mid: the mid-size Qwen3-MoE section (issue 11); "
+                         "hybrid: the Kimi-Linear-shaped section (issue 12)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     old = open(a.out).read() if os.path.exists(a.out) else ""
+    old, _, old_hyb = old.partition(HYB_HEADING)
     old_small, _, old_mid = old.partition(MID_HEADING)
-    mid_lines = run_mid(a.workdir) if "mid" in sections else ([MID_HEADING + old_mid] if old_mid else [])
+    mid_lines = run_mid(a.workdir) if "mid" in sections else ([MID_HEADING + old_mid.rstrip("\n") + "\n"] if old_mid else [])
+    mid_lines += run_hybrid(a.workdir) if "hybrid" in sections else (["\n" + HYB_HEADING + old_hyb] if old_hyb else [])
     if "small" not in sections:
         with open(a.out, "w") as f:
             f.write(old_small.rstrip("\n") + "\n\n" + "".join(mid_lines))

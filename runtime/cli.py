@@ -262,6 +262,9 @@ def cmd_convert(a) -> int:
     print(f"wrote {a.out}: {m.num_layers} MoE layers x {m.num_experts} experts, {m.blob_bytes:,} bytes per expert "
           f"({m.num_layers * m.num_experts * m.blob_stride / 2**20:.1f} MiB of expert files) + dense.safetensors; "
           f"experts {rep.expert_format} ({rep.source})")
+    if rep.unread:
+        print(f"not read: {len(rep.unread)} checkpoint tensors decoding does not need (a vision tower, multi-token-"
+              f"prediction layers...), e.g. {', '.join(rep.unread[:3])}")
     if rep.mean_rel_error is not None:
         print(f"quantization error of expert outputs (||y_q - y|| / ||y||, 8 random inputs, sampled experts): "
               f"mean {rep.mean_rel_error:.4f}, max {rep.max_rel_error:.4f}")

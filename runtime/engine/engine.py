@@ -178,7 +178,9 @@ class Engine:
         # blocks, preemption when out. Its memory is fixed from here on.
         if model.kv is None:
             tokens = max(max_batch * min(self.max_context, 1024), min(self.max_context, 8192))
-            model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token())
+            # Linear-attention layers: a fixed state slot per running sequence comes out of the same budget.
+            model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token()
+                          + self.max_active * model.state_bytes_per_sequence(), max_seqs=self.max_active)
         self.preemptions = 0
         self.step_tokens = None
         cap = store.placement.device[0].capacity
@@ -297,12 +299,15 @@ class Engine:
         kv = self.model.kv
         # Admission by free KV blocks: a waiting request joins when its whole (re)prefill fits now.
         free = kv.free_blocks
+        seqs = kv.free_sequences          # None: no per-sequence state to hand out
         while self.waiting and len(self.running) < self.max_active:
             r = self.waiting[0]
             need = kv.blocks_for(len(r.recompute or r.prompt) + 1)
-            if need > free and self.running:
+            if (need > free or seqs == 0) and self.running:
                 break
             free -= need                  # promised to this request, allocated chunk by chunk
+            if seqs is not None:
+                seqs -= 1
             self.running.append(self.waiting.pop(0))
         if not self.running:
             return []

@@ -6,7 +6,11 @@ import os
 from dataclasses import dataclass, field
 from cache_policy.jsonfile import read_json
 
-SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+from .arch import ARCHITECTURES, module
+
+SUPPORTED = tuple(ARCHITECTURES)
+LAYER_KINDS = ("full_attention", "linear_attention")   # what a layer's token mixer is (config.json layer_types)
+LINEAR_KINDS = ("kda", "gated_deltanet")   # Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5)
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 
 
@@ -38,6 +42,28 @@ class MoEConfig:
     shared_expert_gate: bool = False   # Qwen2-MoE: sigmoid gate on the shared expert
     latent_dim: int = 0                # 0: experts run in the hidden space (else a LatentMoE projection)
     shared_prefix: str = "mlp.shared_expert."
+    mlp_prefix: str = "mlp."           # a layer's dense MLP / router / experts live under model.layers.N.<mlp_prefix>
+    router_tensor: str = "gate.weight"  # the router under mlp_prefix
+    correction_bias_tensor: str = "gate.e_score_correction_bias"   # sigmoid routers' selection bias under mlp_prefix
+    lm_prefix: str = "model."          # where the checkpoint stores model.* (multimodal: model.language_model.)
+    expert_tensors: tuple = ("gate_proj", "up_proj", "down_proj")   # expert N's gate / up / down under <mlp_prefix>experts.N.
+    # Hybrid attention (Kimi-Linear): layers whose token mixer is Kimi Delta Attention (a fixed recurrent
+    # state per sequence) instead of full attention (a cache that grows per token).
+    linear_layers: list = field(default_factory=list)
+    linear_kind: str = "kda"           # see LINEAR_KINDS
+    linear_prefix: str = "self_attn."  # a linear-attention layer's tensors live under model.layers.N.<linear_prefix>
+    linear_num_heads: int = 0          # KDA: heads; Gated DeltaNet: key heads
+    linear_head_dim: int = 0           # KDA: head dim (keys = values); Gated DeltaNet: key head dim
+    linear_num_v_heads: int = 0        # Gated DeltaNet only
+    linear_value_head_dim: int = 0     # Gated DeltaNet only
+    linear_conv_kernel: int = 4
+    mla_rope: bool = True              # False: MLA without RoPE (Kimi-Linear: positions come from the KDA layers)
+    # Qwen3-Next / Qwen3.5: RoPE on the first rotary_dim of each head only (0: all of it), a sigmoid
+    # output gate per attention channel (q_proj gives [q | gate] per head), and RMSNorms that scale by
+    # (norm_offset + weight).
+    rotary_dim: int = 0
+    attn_output_gate: bool = False
+    norm_offset: float = 0.0
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): attention = "mla"
     attention: str = "gqa"
     q_lora_rank: int = 0               # 0: a plain q_proj
@@ -86,6 +112,24 @@ class MoEConfig:
             raise ValueError(f"{src}: no MoE layer (check decoder_sparse_step / mlp_only_layers)")
         if any(not 0 <= l < self.num_layers for l in self.moe_layers):
             raise ValueError(f"{src}: MoE layer index out of range 0..{self.num_layers - 1}")
+        if self.linear_kind not in LINEAR_KINDS:
+            raise ValueError(f"{src}: unknown linear-attention kind {self.linear_kind!r}; choose one of {', '.join(LINEAR_KINDS)}")
+        if self.linear_layers and self.linear_kind == "gated_deltanet" and (
+                self.linear_num_v_heads < 1 or self.linear_value_head_dim < 1 or self.linear_num_v_heads % max(1, self.linear_num_heads)):
+            raise ValueError(f"{src}: Gated DeltaNet needs linear_num_value_heads ({self.linear_num_v_heads}) a positive "
+                             f"multiple of linear_num_key_heads ({self.linear_num_heads}) and a positive value head dim")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"{src}: rotary dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.linear_layers and (self.linear_num_heads < 1 or self.linear_head_dim < 1 or self.linear_conv_kernel < 2):
+            raise ValueError(f"{src}: linear-attention layers need positive linear_num_heads / linear_head_dim and a "
+                             f"convolution kernel of at least 2, got {self.linear_num_heads} / {self.linear_head_dim} / "
+                             f"{self.linear_conv_kernel}")
+
+    @property
+    def attention_layers(self) -> list:
+        """Layers whose attention caches per token (full / sliding / MLA): they own the paged KV cache."""
+        lin = set(self.linear_layers)
+        return [i for i in range(self.num_layers) if i not in lin]
 
     @property
     def expert_in(self) -> int:
@@ -106,6 +150,11 @@ class MoEConfig:
 
     @staticmethod
     def from_dict(d: dict, source: str = "<dict>") -> "MoEConfig":
+        from .arch import language_model
+        try:
+            d = language_model(d)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
         mt = d.get("model_type")
         if mt not in SUPPORTED:
             raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -128,8 +177,10 @@ class MoEConfig:
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type not in ("default", "yarn"):
             raise ValueError(f"{source}: rope_type {rope_type!r} is not supported yet (default and yarn are)")
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError(f"{source}: partial_rotary_factor is not supported yet")
+        arch = module(mt)
+        partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0 and not getattr(arch, "PARTIAL_ROTARY", False):
+            raise ValueError(f"{source}: partial_rotary_factor is not supported for {mt}")
         scaling = {}
         if rope_type == "yarn":
             if "original_max_position_embeddings" not in rope:
@@ -140,77 +191,23 @@ class MoEConfig:
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(x) for x in eos])
         common = dict(model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=H, num_layers=L, num_heads=heads,
-                      num_kv_heads=kv, head_dim=head_dim, num_experts=E, top_k=int(need("num_experts_per_tok")),
+                      num_kv_heads=kv, head_dim=head_dim, num_experts=E,
+                      top_k=int(need("num_experts_per_tok", "num_experts_per_token")),
                       rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                      max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                      eos_token_ids=eos, bos_token_id=d.get("bos_token_id"), source=source)
-        # Sliding-window attention, by transformers' rules: Mixtral and Qwen3-MoE apply `sliding_window`
-        # to every layer (Qwen3-MoE only with use_sliding_window); Qwen2-MoE, with use_sliding_window,
-        # to the even-indexed layers below max_window_layers; `layer_types` (newer configs) says it
-        # per layer.
+                      max_position_embeddings=int(d.get("max_position_embeddings") or d.get("model_max_length") or 4096),
+                      eos_token_ids=eos, bos_token_id=d.get("bos_token_id"), source=source,
+                      rotary_dim=int(head_dim * partial) if partial != 1.0 else 0)
+        # Sliding-window attention, by transformers' rule for the architecture (its module's
+        # sliding_layers: which layers, [] when the config leaves it off, None when unsupported).
         window = int(d.get("sliding_window") or 0)
-        if window and mt in ("qwen2_moe", "qwen3_moe") and not d.get("use_sliding_window", False):
-            window = 0
-        if window and mt in ("olmoe", "deepseek_v3"):
-            raise ValueError(f"{source}: sliding_window is not supported for {mt}")
         if window:
-            if d.get("layer_types"):
-                sliding = [i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention"]
-            elif mt == "qwen2_moe":
-                sliding = [i for i in range(L) if i % 2 == 0 and i < int(d.get("max_window_layers", 28))]
-            elif mt == "gpt_oss":   # transformers' default layer_types: sliding, full, sliding, ...
-                sliding = list(range(0, L, 2))
-            else:
-                sliding = list(range(L))
-            common.update(sliding_window=window, sliding_layers=sliding)
+            sliding = arch.sliding_layers(d, L)
+            if sliding is None:
+                raise ValueError(f"{source}: sliding_window is not supported for {mt}")
+            if sliding:
+                common.update(sliding_window=window, sliding_layers=sliding)
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (only silu / SwiGLU)")
-        if mt == "mixtral":
-            inter = int(need("intermediate_size"))
-            # tiered-moe extension: "moe_latent_size" puts a LatentMoE projection (Kimi K3) around
-            # the experts; experts then run in the latent space.
-            return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
-                             router="softmax_topk", norm_topk_prob=True, latent_dim=int(d.get("moe_latent_size") or 0))
-        if mt == "deepseek_v3":
-            first = int(d.get("first_k_dense_replace", 0))
-            freq = int(d.get("moe_layer_freq", 1) or 1)
-            rope_dim = int(need("qk_rope_head_dim"))
-            common["head_dim"] = rope_dim
-            return MoEConfig(**common, dense_intermediate=int(need("intermediate_size")),
-                             expert_intermediate=int(need("moe_intermediate_size")),
-                             moe_layers=[i for i in range(L) if i >= first and i % freq == 0],
-                             router="sigmoid_group", n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
-                             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                             shared_intermediate=int(need("moe_intermediate_size")) * int(d.get("n_shared_experts") or 0),
-                             shared_prefix="mlp.shared_experts.", attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
-                             q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
-                             qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                             v_head_dim=int(need("v_head_dim")), rope_interleave=bool(d.get("rope_interleave", True)))
-        if mt == "gpt_oss":
-            # Every layer is MoE; layer_types alternates sliding and full attention (handled above).
-            inter = int(need("intermediate_size"))
-            return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
-                             router="topk_softmax", router_bias=True, qkv_bias=bool(d.get("attention_bias", True)),
-                             o_bias=bool(d.get("attention_bias", True)), attn_sinks=True, expert_bias=True,
-                             expert_act="swiglu_clamp", swiglu_limit=float(d.get("swiglu_limit", 7.0)),
-                             swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
-        if mt == "olmoe":
-            if d.get("clip_qkv") is not None:
-                raise ValueError(f"{source}: clip_qkv is not supported yet")
-            inter = int(need("intermediate_size"))
-            return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter, moe_layers=list(range(L)),
-                             qk_norm="full", qkv_bias=bool(d.get("attention_bias", False)),
-                             norm_topk_prob=bool(d.get("norm_topk_prob", False)))
-        # qwen2_moe / qwen3_moe
-        step = int(d.get("decoder_sparse_step", 1))
-        only = set(d.get("mlp_only_layers") or [])
-        moe = [i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0]
-        kw = dict(dense_intermediate=int(need("intermediate_size")), expert_intermediate=int(need("moe_intermediate_size")),
-                  moe_layers=moe, norm_topk_prob=bool(d.get("norm_topk_prob", False)))
-        if mt == "qwen2_moe":
-            return MoEConfig(**common, **kw, qkv_bias=bool(d.get("qkv_bias", True)),
-                             shared_intermediate=int(d.get("shared_expert_intermediate_size") or 0),
-                             shared_expert_gate=bool(d.get("shared_expert_intermediate_size")))
-        return MoEConfig(**common, **kw, qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head")
+        return arch.config(d, common, need)
+

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,16 +37,23 @@ QUANT_METHODS = ("fp8", "compressed-tensors (pack-quantized int4)", "mxfp4")
 
 
 def expert_names(cfg: MoEConfig, layer: int, e: int) -> dict:
-    if cfg.model_type == "mixtral":
-        p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
-        return {"gate": p + "w1.weight", "up": p + "w3.weight", "down": p + "w2.weight"}
-    p = f"model.layers.{layer}.mlp.experts.{e}."
-    return {"gate": p + "gate_proj.weight", "up": p + "up_proj.weight", "down": p + "down_proj.weight"}
+    p = f"model.layers.{layer}.{cfg.mlp_prefix}experts.{e}."
+    return {role: f"{p}{t}.weight" for role, t in zip(("gate", "up", "down"), cfg.expert_tensors)}
 
 
 def router_name(cfg: MoEConfig, layer: int) -> str:
-    tail = {"mixtral": "block_sparse_moe.gate.weight", "gpt_oss": "mlp.router.weight"}.get(cfg.model_type, "mlp.gate.weight")
-    return f"model.layers.{layer}.{tail}"
+    return f"model.layers.{layer}.{cfg.mlp_prefix}{cfg.router_tensor}"
+
+
+def correction_bias_name(cfg: MoEConfig, layer: int) -> str:
+    """The sigmoid router's selection bias (DeepSeek-V3, Kimi, GLM-4.5, MiniMax-M2)."""
+    return f"model.layers.{layer}.{cfg.mlp_prefix}{cfg.correction_bias_tensor}"
+
+
+def linear_names(cfg: MoEConfig, layer: int) -> dict:
+    """A linear-attention layer's tensors -> shape: its architecture module's table."""
+    from .arch import module
+    return module(cfg.model_type).linear_names(cfg, layer)
 
 
 def dense_names(cfg: MoEConfig) -> dict:
@@ -59,7 +66,9 @@ def dense_names(cfg: MoEConfig) -> dict:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
-        if cfg.attention == "mla":
+        if i in cfg.linear_layers:
+            out.update(linear_names(cfg, i))
+        elif cfg.attention == "mla":
             nh, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             if cfg.qkv_bias:
                 raise ValueError(f"{cfg.source}: attention_bias with MLA is not supported yet")
@@ -74,18 +83,11 @@ def dense_names(cfg: MoEConfig) -> dict:
                         p + "self_attn.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
                         p + "self_attn.o_proj.weight": (H, nh * cfg.v_head_dim)})
         else:
-            out.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+            qo = q * (2 if cfg.attn_output_gate else 1)      # gated attention: [q | gate] per head
+            out.update({p + "self_attn.q_proj.weight": (qo, H), p + "self_attn.k_proj.weight": (kv, H),
                         p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)})
-        if cfg.qkv_bias:
-            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
-        if cfg.o_bias:
-            out[p + "self_attn.o_proj.bias"] = (H,)
-        if cfg.attn_sinks:
-            out[p + "self_attn.sinks"] = (cfg.num_heads,)
-        if cfg.qk_norm == "head":
-            out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-        elif cfg.qk_norm == "full":
-            out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
+        if i not in cfg.linear_layers:   # the attention extras: biases, sinks, q/k norms
+            out.update(_attention_extras(cfg, p))
         if i in cfg.moe_layers:
             out[router_name(cfg, i)] = (cfg.num_experts, H)
             if cfg.router_bias:
@@ -94,7 +96,7 @@ def dense_names(cfg: MoEConfig) -> dict:
                 out[p + "block_sparse_moe.latent_down.weight"] = (cfg.latent_dim, H)
                 out[p + "block_sparse_moe.latent_up.weight"] = (H, cfg.latent_dim)
             if cfg.router == "sigmoid_group":
-                out[p + "mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
+                out[correction_bias_name(cfg, i)] = (cfg.num_experts,)
             if cfg.shared_intermediate:
                 S, sp = cfg.shared_intermediate, p + cfg.shared_prefix
                 out.update({sp + "gate_proj.weight": (S, H), sp + "up_proj.weight": (S, H), sp + "down_proj.weight": (H, S)})
@@ -102,7 +104,26 @@ def dense_names(cfg: MoEConfig) -> dict:
                     out[p + "mlp.shared_expert_gate.weight"] = (1, H)
         else:
             I = cfg.dense_intermediate
-            out.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)})
+            mp = p + cfg.mlp_prefix
+            out.update({mp + "gate_proj.weight": (I, H), mp + "up_proj.weight": (I, H), mp + "down_proj.weight": (H, I)})
+    return out
+
+
+def _attention_extras(cfg: MoEConfig, p: str) -> dict:
+    H, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {}
+    if cfg.qkv_bias:
+        out.update({p + "self_attn.q_proj.bias": (q * (2 if cfg.attn_output_gate else 1),),
+                    p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+    if cfg.o_bias:
+        out[p + "self_attn.o_proj.bias"] = (H,)
+    if cfg.attn_sinks:
+        out[p + "self_attn.sinks"] = (cfg.num_heads,)
+    if cfg.qk_norm == "head":
+        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    elif cfg.qk_norm == "full":
+        out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
     return out
 
 
@@ -119,9 +140,11 @@ class Checkpoint:
     safetensors one: 8-byte little-endian header length, a JSON header of dtype, shape and
     data offsets, then the data."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, lm_prefix: str = "model.") -> None:
         self.dir = model_dir
         self._headers: dict = {}
+        self.lm_prefix = lm_prefix      # multimodal checkpoints store model.* under e.g. model.language_model.
+        self.read: set = set()          # stored names read so far (the rest is reported as not needed)
         index = os.path.join(model_dir, "model.safetensors.index.json")
         if os.path.exists(index):
             try:
@@ -154,10 +177,22 @@ class Checkpoint:
             h = self._headers[fname] = (meta, 8 + n, size)
         return h
 
+    def stored(self, name: str) -> str:
+        """The checkpoint's name for one of ours (``model.layers.0...``)."""
+        if self.lm_prefix != "model." and name.startswith("model."):
+            return self.lm_prefix + name[len("model."):]
+        return name
+
     def has(self, name: str) -> bool:
-        return name in self.where
+        return self.stored(name) in self.where
+
+    def unread(self) -> list:
+        """Stored tensors no read asked for (a vision tower, multi-token-prediction layers...)."""
+        return sorted(n for n in self.where if n not in self.read)
 
     def get(self, name: str, shape=None) -> torch.Tensor:
+        name = self.stored(name)
+        self.read.add(name)
         f = self.where.get(name)
         if f is None:
             raise ValueError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
@@ -333,6 +368,7 @@ class ConvertReport:
     blob_bytes: int
     mean_rel_error: "float | None" = None
     max_rel_error: "float | None" = None
+    unread: list = field(default_factory=list)   # checkpoint tensors decoding does not need (vision, MTP), not read
 
 
 def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str | None" = None) -> ConvertReport:
@@ -345,7 +381,7 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
     if quantize is not None and sq.method is not None:
         raise ValueError(f"{model_dir}: the checkpoint is already quantized ({sq.method}); its experts are stored as shipped - "
                          f"drop --quantize (re-quantizing quantized weights would only add error)")
-    ck = Checkpoint(model_dir)
+    ck = Checkpoint(model_dir, cfg.lm_prefix)
     H, I = cfg.expert_in, cfg.expert_intermediate
     shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     gpt_oss = cfg.model_type == "gpt_oss"
@@ -428,7 +464,7 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
         if os.path.exists(os.path.join(model_dir, f)):
             shutil.copy(os.path.join(model_dir, f), os.path.join(out_dir, f))
     return ConvertReport(fmt.name, source, man.blob_bytes, float(sum(errors) / len(errors)) if errors else None,
-                         max(errors) if errors else None)
+                         max(errors) if errors else None, unread=ck.unread())
 
 
 def load_dense(store_dir: str, cfg: MoEConfig) -> dict:

@@ -398,6 +398,35 @@ class KimiDeltaAttention:
         y = _linear(o.reshape(T, H * K).to(x.dtype), self.o_proj)          # y: [T, hidden]
         return y, LinearAttentionState(recurrent=S.to(RECURRENT_DTYPE), conv=conv_state)
 
+    def step(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor):
+        """One decode token for each of B sequences at once (continuous batching: every sequence has its
+        own state). x: [B, hidden]; recurrent: [B, H, K, K] float32; conv: [B, 3*H*K, kernel-1].
+        Returns (y [B, hidden], new recurrent, new conv); the same numbers as ``__call__`` on each
+        sequence's single token, in one set of batched ops instead of B."""
+        c = self.cfg
+        H, K, W = c.num_heads, c.head_dim, c.conv_kernel_size
+        B = x.shape[0]
+        if recurrent.shape != (B, H, K, K) or conv.shape != (B, c.conv_dim, W - 1):
+            raise ValueError(f"{self.name}: decode states must be [{B}, {H}, {K}, {K}] and [{B}, {c.conv_dim}, {W - 1}], "
+                             f"got {_shape(recurrent)} and {_shape(conv)}")
+        mixed = torch.cat([_linear(x, self.q_proj), _linear(x, self.k_proj), _linear(x, self.v_proj)], -1)  # [B, 3HK]
+        xs = torch.cat([conv.to(x.dtype), mixed[:, :, None]], -1)          # xs: [B, C, W] oldest first
+        mixed = F.silu((xs * self.conv.to(x.dtype)).sum(-1))               # the causal conv's last output: [B, C]
+        q, k, v = (t.reshape(B, H, K) for t in mixed.split(H * K, dim=-1))  # q, k, v: [B, H, K]
+        f = _linear(_linear(x, self.f_a), self.f_b).float() + self.dt_bias   # f: [B, H*K]
+        g = -self.A_log.exp().unsqueeze(-1) * F.softplus(f.reshape(B, H, K))  # g: [B, H, K]
+        beta = torch.sigmoid(_linear(x, self.b_proj).float())              # beta: [B, H]
+        q = _l2norm(q.float()) * (K ** -0.5)
+        k = _l2norm(k.float())
+        S = recurrent.float() * g.exp().unsqueeze(-1)                      # forget: [B, H, K, V]
+        u = (v.float() - torch.einsum("bhkv,bhk->bhv", S, k)) * beta.unsqueeze(-1)   # delta-rule write: [B, H, V]
+        S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
+        o = torch.einsum("bhkv,bhk->bhv", S, q)                            # o: [B, H, V]
+        gate = _linear(_linear(x, self.g_a), self.g_b).reshape(B, H, K)
+        o = _gated_rmsnorm(o, self.o_norm, gate, c.rms_norm_eps, torch.sigmoid)
+        y = _linear(o.reshape(B, H * K).to(x.dtype), self.o_proj)          # y: [B, hidden]
+        return y, S, xs[:, :, 1:]
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Gated DeltaNet
@@ -481,5 +510,35 @@ class GatedDeltaNet:
         o = _gated_rmsnorm(o, self.norm, z.reshape(T, Hv, Dv), c.rms_norm_eps, F.silu)   # GDN gates with SiLU(z)
         y = _linear(o.reshape(T, Hv * Dv).to(x.dtype), self.out_proj)     # y: [T, hidden]
         return y, LinearAttentionState(recurrent=S.to(RECURRENT_DTYPE), conv=conv_state)
+
+    def step(self, x: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor):
+        """One decode token for each of B sequences at once, each with its own state. x: [B, hidden];
+        recurrent: [B, Hv, Dk, Dv] float32; conv: [B, conv_dim, kernel-1]. Returns (y [B, hidden], new
+        recurrent, new conv): ``__call__`` on each sequence's token, as one set of batched ops."""
+        c = self.cfg
+        Hk, Hv, Dk, Dv, W = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, c.conv_kernel_size
+        B = x.shape[0]
+        if recurrent.shape != (B, Hv, Dk, Dv) or conv.shape != (B, c.conv_dim, W - 1):
+            raise ValueError(f"{self.name}: decode states must be [{B}, {Hv}, {Dk}, {Dv}] and [{B}, {c.conv_dim}, {W - 1}], "
+                             f"got {_shape(recurrent)} and {_shape(conv)}")
+        proj = _linear(x, self.in_proj)                                    # [B, conv_dim + Hv*Dv + 2*Hv]
+        mixed, z, b, a = proj.split([c.conv_dim, c.value_dim, Hv, Hv], dim=-1)
+        xs = torch.cat([conv.to(x.dtype), mixed[:, :, None]], -1)          # xs: [B, C, W] oldest first
+        mixed = F.silu((xs * self.conv.to(x.dtype)).sum(-1))               # the causal conv's last output: [B, C]
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = _l2norm(q.reshape(B, Hk, Dk).float()) * (Dk ** -0.5)
+        k = _l2norm(k.reshape(B, Hk, Dk).float())
+        if Hv != Hk:
+            q = q.repeat_interleave(Hv // Hk, dim=1)                       # q, k: [B, Hv, Dk]
+            k = k.repeat_interleave(Hv // Hk, dim=1)
+        beta = torch.sigmoid(b.float())                                    # beta: [B, Hv]
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)       # g: [B, Hv]
+        S = recurrent.float() * g.exp()[:, :, None, None]                  # forget: [B, Hv, Dk, Dv]
+        u = (v.reshape(B, Hv, Dv).float() - torch.einsum("bhkv,bhk->bhv", S, k)) * beta.unsqueeze(-1)
+        S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
+        o = torch.einsum("bhkv,bhk->bhv", S, q)                            # o: [B, Hv, Dv]
+        o = _gated_rmsnorm(o, self.norm, z.reshape(B, Hv, Dv), c.rms_norm_eps, F.silu)
+        y = _linear(o.reshape(B, Hv * Dv).to(x.dtype), self.out_proj)     # y: [B, hidden]
+        return y, S, xs[:, :, 1:]
 
 

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from ..quant import ExpertCodec
 from .config import MoEConfig
-from .convert import router_name
+from .convert import correction_bias_name, linear_names, router_name
+from .linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, KimiDeltaAttention, LinearAttentionState,
+                               RECURRENT_DTYPE)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,7 +88,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def rope_frequencies(cfg: MoEConfig):
     """Inverse frequencies over head_dim and the factor on cos/sin: default RoPE, or YaRN
     (interpolate low frequencies by `factor`, keep high ones, a linear ramp between)."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     y = cfg.rope_scaling
     if not y:
@@ -124,6 +126,14 @@ def mla_softmax_scale(cfg: MoEConfig) -> float:
     return s
 
 
+def _rotate(t, cos, sin):
+    return t * cos + rotate_half(t) * sin
+
+
+def _no_rotation(t, cos, sin):
+    return t
+
+
 @dataclass
 class Sequence:
     """One sequence: tokens fed so far and the KV blocks it owns (none until it runs)."""
@@ -131,6 +141,7 @@ class Sequence:
     length: int = 0
     blocks: list = field(default_factory=list)
     slot_ids: "torch.Tensor | None" = None     # token slot of each position its blocks cover
+    state: "int | None" = None                 # its slot of the recurrent-state arena (linear-attention layers)
 
     @property
     def slot(self):            # "holds KV" (kept for callers that asked for a slot)
@@ -141,24 +152,91 @@ class KVFull(RuntimeError):
     """The KV cache has no free block for a sequence (the engine preempts or refuses first)."""
 
 
+@dataclass(frozen=True)
+class TokenCacheSpec:
+    """What a per-token attention layer caches (vLLM's attention KV cache spec): ``heads`` x ``dim``
+    per token for k (and v), full attention and MLA alike (MLA: one "head" of latent + rotary key,
+    no v)."""
+    heads: int
+    dim: int
+    with_v: bool = True
+
+    def bytes_per_token(self, dtype) -> int:
+        return self.heads * self.dim * torch.tensor([], dtype=dtype).element_size() * (2 if self.with_v else 1)
+
+
+@dataclass(frozen=True)
+class StateCacheSpec:
+    """What a linear-attention layer caches per sequence, whatever its length (vLLM's Mamba spec): the
+    recurrent state (float32) and the short convolution's last inputs (activation dtype)."""
+    recurrent: tuple           # [H, K, V]
+    conv: tuple                # [C, kernel - 1]
+
+    def bytes_per_sequence(self, dtype) -> int:
+        return (math.prod(self.recurrent) * RECURRENT_DTYPE.itemsize
+                + math.prod(self.conv) * torch.tensor([], dtype=dtype).element_size())
+
+
+def kv_shape(cfg: MoEConfig) -> tuple:
+    """(heads, dim, with_v) of one token of one per-token layer's cache. MLA caches the compressed
+    latent (kv_lora_rank) and the shared rotary key per token."""
+    if cfg.attention == "mla":
+        return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
+    return cfg.num_kv_heads, cfg.head_dim, True
+
+
+def cache_specs(cfg: MoEConfig) -> dict:
+    """Layer index -> what it caches per sequence: TokenCacheSpec (grows with every token) or
+    StateCacheSpec (fixed). One budget covers both (MoEModel.init_kv)."""
+    out = {i: TokenCacheSpec(*kv_shape(cfg)) for i in cfg.attention_layers}
+    for i in cfg.linear_layers:
+        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
+        if cfg.linear_kind == "kda":        # keys and values of one size; q, k, v each convolved
+            out[i] = StateCacheSpec(recurrent=(H, K, K), conv=(3 * H * K, W - 1))
+        else:                               # Gated DeltaNet: a [Dk, Dv] memory per value head
+            Hv, V = cfg.linear_num_v_heads, cfg.linear_value_head_dim
+            out[i] = StateCacheSpec(recurrent=(Hv, K, V), conv=(2 * H * K + Hv * V, W - 1))
+    return dict(sorted(out.items()))
+
+
+def kv_bytes_per_token(cfg: MoEConfig, dtype) -> int:
+    return sum(s.bytes_per_token(dtype) for s in cache_specs(cfg).values() if isinstance(s, TokenCacheSpec))
+
+
+def state_bytes_per_sequence(cfg: MoEConfig, dtype) -> int:
+    return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg).values() if isinstance(s, StateCacheSpec))
+
+
 class PagedKV:
-    """The KV cache as fixed-size blocks preallocated from a byte budget (vLLM's paged layout):
-    k and v are [layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of
-    blocks and its positions map to slots through them. Memory never grows after construction;
-    ``ensure`` says whether a sequence can have room for more tokens, so the scheduler admits
-    requests by free blocks and preempts when out. MLA caches one "head" (latent + rotary key)
-    and no v."""
+    """Every layer's sequence cache, preallocated from one byte budget and never grown.
+
+    Per-token layers (full attention, MLA): fixed-size blocks (vLLM's paged layout): k and v are
+    [token layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of blocks
+    and its positions map to slots through them. Linear-attention layers: ``state_slots`` fixed
+    per-sequence states ([state layers, slots, ...]); a sequence owns one slot for all of them.
+    ``ensure`` says whether a sequence can have room for more tokens (a block for each 16 tokens,
+    a state slot on its first token), so the scheduler admits requests by free blocks and slots
+    and preempts when out. MLA caches one "head" (latent + rotary key) and no v."""
 
     def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
-                 with_v: bool = True) -> None:
+                 with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
+                 state_slots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
+        if state_layers and state_slots < 1:
+            raise ValueError("a model with linear-attention layers needs at least one recurrent-state slot")
         self.block_size, self.num_blocks, self.with_v = block_size, num_blocks, with_v
         T = num_blocks * block_size
         self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
         self.v = torch.zeros_like(self.k) if with_v else None
         self.free: list = list(range(num_blocks - 1, -1, -1))
         self.device = device
+        self.state_slots = state_slots if state_layers else 0
+        self.rec = self.conv = None
+        if self.state_slots:          # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
+            self.rec = torch.zeros(state_layers, state_slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
+            self.conv = torch.zeros(state_layers, state_slots, *state.conv, dtype=dtype, device=device)
+        self.free_state: list = list(range(self.state_slots - 1, -1, -1))
 
     @staticmethod
     def bytes_per_token(layers: int, heads: int, dim: int, dtype, with_v: bool = True) -> int:
@@ -166,11 +244,19 @@ class PagedKV:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
+        n = self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
+        if self.state_slots:
+            n += self.rec.numel() * self.rec.element_size() + self.conv.numel() * self.conv.element_size()
+        return n
 
     @property
     def free_blocks(self) -> int:
         return len(self.free)
+
+    @property
+    def free_sequences(self) -> "int | None":
+        """Sequences that can still get a state slot; None when the model keeps no per-sequence state."""
+        return len(self.free_state) if self.state_slots else None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -178,6 +264,10 @@ class PagedKV:
     def ensure(self, seq: Sequence, tokens: int) -> bool:
         """Give ``seq`` blocks for ``tokens`` positions; False (and nothing taken) if too few are free."""
         need = self.blocks_for(tokens) - len(seq.blocks)
+        if self.state_slots and seq.state is None:
+            if not self.free_state or need > len(self.free):
+                return False
+            seq.state = self.free_state.pop()    # stale contents: its first chunk starts from zeros (MoEModel._linear_attention)
         if need <= 0:
             return True
         if need > len(self.free):
@@ -192,6 +282,9 @@ class PagedKV:
     def release(self, seq: Sequence) -> None:
         self.free.extend(reversed(seq.blocks))
         seq.blocks, seq.slot_ids = [], None
+        if seq.state is not None:
+            self.free_state.append(seq.state)
+            seq.state = None
 
 
 class MoEModel:
@@ -200,6 +293,10 @@ class MoEModel:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.cache_bonus = 0.0   # cache-aware routing: added to resident experts' router logits
         self.sliding = set(cfg.sliding_layers) if cfg.sliding_window else set()
+        if cfg.norm_offset:   # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight): folded in once here
+            for k in list(dense):
+                if k.endswith(("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")) or k == "model.norm.weight":
+                    dense[k] = dense[k].float() + cfg.norm_offset
         # Takes ownership of `dense` (converted in place) so replaced tensors are freed at once.
         for k in list(dense):
             dense[k] = dense[k].to(device=device, dtype=dtype)
@@ -228,46 +325,90 @@ class MoEModel:
         self._qk_w: dict = {}     # layer -> joint q/k norm weight (see _qk_norm_w)
         self.kv = None            # PagedKV, made by init_kv (the engine sizes it; else on first use)
         self.kv_bytes = kv_bytes
+        # Per-token layers index the paged KV cache, linear-attention layers the state arena.
+        self.kv_layer = {layer: j for j, layer in enumerate(cfg.attention_layers)}
+        self.state_layer = {layer: j for j, layer in enumerate(cfg.linear_layers)}
+        self.linear: dict = {}    # layer -> KimiDeltaAttention / GatedDeltaNet
+        if cfg.linear_layers:
+            if cfg.linear_kind == "kda":
+                kind = KimiDeltaAttention
+                lc = KDAConfig(hidden_size=cfg.hidden_size, num_heads=cfg.linear_num_heads, head_dim=cfg.linear_head_dim,
+                               conv_kernel_size=cfg.linear_conv_kernel, rms_norm_eps=cfg.rms_norm_eps)
+            else:
+                kind = GatedDeltaNet
+                lc = GatedDeltaNetConfig(hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_heads,
+                                         num_v_heads=cfg.linear_num_v_heads, head_k_dim=cfg.linear_head_dim,
+                                         head_v_dim=cfg.linear_value_head_dim, conv_kernel_size=cfg.linear_conv_kernel,
+                                         rms_norm_eps=cfg.rms_norm_eps)
+            for i in cfg.linear_layers:
+                p = self._p(i, cfg.linear_prefix)
+                self.linear[i] = kind(lc, {n[len(p):]: w.pop(n) for n in linear_names(cfg, i)}, name=f"layer {i}")
         if cfg.attention == "mla":
             return
 
         # Concatenated copies replace q, k, v: one copy in memory, input-major ([in, out]) like the
         # experts: at decode's few rows, x @ w over it is a faster CPU kernel than F.linear's
         # (200 vs 330 us for [1, 512] x [512, 1024] on this project's 2-core machine).
-        for i in range(cfg.num_layers):
-            self.qkv_w.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.weight")) for n in "qkv"]).t().contiguous())
-            self.qkv_b.append(torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.bias")) for n in "qkv"])
-                              if cfg.qkv_bias else None)
+        self.qkv_w, self.qkv_b = [None] * cfg.num_layers, [None] * cfg.num_layers
+        if cfg.attn_output_gate:
+            # q_proj gives [q | gate] per head; its rows regrouped once to q (all heads) then gate (all
+            # heads), and the gate moved after v: the projection is [q | k | v | gate].
+            nh, hd = cfg.num_heads, cfg.head_dim
+            for i in cfg.attention_layers:
+                for suffix in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                    t = w.pop(self._p(i, f"self_attn.q_proj.{suffix}"))
+                    t = t.reshape(nh, 2, hd, *t.shape[1:])
+                    w[self._p(i, f"self_attn.q_proj.{suffix}")] = t[:, 0].reshape(nh * hd, *t.shape[3:])
+                    w[self._p(i, f"self_attn.g_proj.{suffix}")] = t[:, 1].reshape(nh * hd, *t.shape[3:])
+        parts = "qkvg" if cfg.attn_output_gate else "qkv"
+        for i in cfg.attention_layers:
+            self.qkv_w[i] = (torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.weight")) for n in parts]).t().contiguous())
+            self.qkv_b[i] = (torch.cat([w.pop(self._p(i, f"self_attn.{n}_proj.bias")) for n in parts])
+                             if cfg.qkv_bias else None)
 
     # -- the KV cache ----------------------------------------------------------------------------
     def kv_shape(self) -> tuple:
-        """(heads, dim, with_v) of one token of one layer's cache. MLA caches the compressed latent
-        (kv_lora_rank) and the shared rotary key per token."""
-        cfg = self.cfg
-        if cfg.attention == "mla":
-            return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
-        return cfg.num_kv_heads, cfg.head_dim, True
+        return kv_shape(self.cfg)
+
+    def cache_specs(self) -> dict:
+        return cache_specs(self.cfg)
 
     def kv_bytes_per_token(self) -> int:
-        h, d, v = self.kv_shape()
-        return PagedKV.bytes_per_token(self.cfg.num_layers, h, d, self.dtype, v)
+        """Bytes one more token of context adds to a sequence's cache (per-token layers only)."""
+        return kv_bytes_per_token(self.cfg, self.dtype)
 
-    def init_kv(self, nbytes: "int | None" = None, block_size: int = 16) -> PagedKV:
-        """Preallocate the KV cache: ``nbytes`` (else the model's kv_bytes, else room for 16
-        sequences of up to 4096 tokens) in blocks of ``block_size`` tokens."""
-        nbytes = nbytes or self.kv_bytes or 16 * min(self.cfg.max_position_embeddings, 4096) * self.kv_bytes_per_token()
-        blocks = int(nbytes // (self.kv_bytes_per_token() * block_size))
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of fixed per-sequence state (linear-attention layers), whatever the context length."""
+        return state_bytes_per_sequence(self.cfg, self.dtype)
+
+    def cache_bytes(self, tokens: int) -> int:
+        """A sequence's whole cache at ``tokens`` tokens of context."""
+        return tokens * self.kv_bytes_per_token() + self.state_bytes_per_sequence()
+
+    def init_kv(self, nbytes: "int | None" = None, block_size: int = 16, max_seqs: "int | None" = None) -> PagedKV:
+        """Preallocate the cache from one budget: ``nbytes`` (else the model's kv_bytes, else room for
+        16 sequences of up to 4096 tokens). With linear-attention layers ``max_seqs`` (default 16)
+        state slots come out of it first; the rest is KV blocks of ``block_size`` tokens."""
+        per_tok, per_seq = self.kv_bytes_per_token(), self.state_bytes_per_sequence()
+        seqs = (max_seqs or 16) if per_seq else 0
+        nbytes = nbytes or self.kv_bytes or 16 * (min(self.cfg.max_position_embeddings, 4096) * per_tok + per_seq)
+        blocks = int((nbytes - seqs * per_seq) // max(1, per_tok * block_size))
         if blocks < 1:
-            raise ValueError(f"KV cache budget {nbytes:,} bytes is smaller than one block of {block_size} tokens "
-                             f"({self.kv_bytes_per_token() * block_size:,} bytes)")
+            need = seqs * per_seq + per_tok * block_size
+            raise ValueError(f"KV cache budget {nbytes:,} bytes is smaller than "
+                             + (f"the recurrent state of {seqs} sequences ({seqs * per_seq:,} bytes) + " if seqs else "")
+                             + f"one block of {block_size} tokens ({per_tok * block_size:,} bytes): the minimum is "
+                             f"{need:,} bytes")
         h, d, v = self.kv_shape()
-        self.kv = PagedKV(self.cfg.num_layers, h, d, self.dtype, self.device, num_blocks=blocks, block_size=block_size,
-                          with_v=v)
+        specs = [s for s in self.cache_specs().values() if isinstance(s, StateCacheSpec)]
+        self.kv = PagedKV(len(self.cfg.attention_layers), h, d, self.dtype, self.device, num_blocks=blocks,
+                          block_size=block_size, with_v=v, state=specs[0] if specs else None,
+                          state_layers=len(specs), state_slots=seqs)
         return self.kv
 
     def release(self, seq: Sequence) -> None:
-        """Free a finished sequence's KV blocks."""
-        if seq.blocks and self.kv is not None:
+        """Free a finished sequence's KV blocks and state slot."""
+        if (seq.blocks or seq.state is not None) and self.kv is not None:
             self.kv.release(seq)
 
     # -- names of the dense tensors -----------------------------------------------------------
@@ -305,8 +446,13 @@ class MoEModel:
         ckv = F.linear(x, w[self._p(i, "self_attn.kv_a_proj_with_mqa.weight")])   # [tokens, lat+rope]
         latent = rms_norm(ckv[:, :lat], w[self._p(i, "self_attn.kv_a_layernorm.weight")], cfg.rms_norm_eps)
         k_rot = ckv[:, lat:]
-        rot = self._rope_interleaved if cfg.rope_interleave else (lambda t, c, s_: t * c + rotate_half(t) * s_)
-        K = self.kv.k[i]                                                 # K: [token slots, 1, lat+rope]
+        if not cfg.mla_rope:      # Kimi-Linear: no positional rotation in MLA at all
+            rot = _no_rotation
+        elif cfg.rope_interleave:
+            rot = self._rope_interleaved
+        else:
+            rot = _rotate
+        K = self.kv.k[self.kv_layer[i]]                                  # K: [token slots, 1, lat+rope]
         kv_b = w[self._p(i, "self_attn.kv_b_proj.weight")]
         if all(b - a == 1 for a, b in spans):
             return self._mla_decode(i, q, latent, k_rot, seqs, rot, K, kv_b)
@@ -372,6 +518,8 @@ class MoEModel:
     def _attention(self, i: int, x: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
         """x: [tokens, hidden], tokens of several sequences back to back (spans: (start, end))."""
         cfg, w = self.cfg, self.w
+        if i in self.linear:
+            return self._linear_attention(i, x, seqs, spans)
         if cfg.attention == "mla":
             return self._mla(i, x, seqs, spans)
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -379,8 +527,8 @@ class MoEModel:
         # One matmul for q, k and v (their weights concatenated once at load); q and k then stay
         # one tensor through their norm and RoPE (per-head ops: the same numbers, half the ops).
         b = self.qkv_b[i]
-        qkv = torch.mm(x, self.qkv_w[i]) if b is None else torch.addmm(b, x, self.qkv_w[i])   # qkv: [tokens, (heads + 2 kv) hd]
-        v = qkv[:, nq * hd:].view(-1, nkv, hd)                          # v: [tokens, kv, hd]
+        qkv = torch.mm(x, self.qkv_w[i]) if b is None else torch.addmm(b, x, self.qkv_w[i])   # qkv: [tokens, (heads + 2 kv) hd (+ heads hd gate)]
+        v = qkv[:, nq * hd:(nq + nkv) * hd].view(-1, nkv, hd)            # v: [tokens, kv, hd]
         if cfg.qk_norm == "full":
             q = rms_norm(qkv[:, :nh * hd], w[self._p(i, "self_attn.q_norm.weight")], cfg.rms_norm_eps)
             k = rms_norm(qkv[:, nh * hd:nq * hd], w[self._p(i, "self_attn.k_norm.weight")], cfg.rms_norm_eps)
@@ -389,23 +537,24 @@ class MoEModel:
             qk = qkv[:, :nq * hd].view(-1, nq, hd)                      # qk: [tokens, heads + kv, hd]
             if cfg.qk_norm == "head":
                 qk = rms_norm(qk, self._qk_norm_w(i), cfg.rms_norm_eps)
-        K, V = self.kv.k[i], self.kv.v[i]                                # [token slots, kv, hd]
+        j = self.kv_layer[i]
+        K, V = self.kv.k[j], self.kv.v[j]                                # [token slots, kv, hd]
         if all(b - a == 1 for a, b in spans):
             # Decode: one token per sequence - one write and one batched product for all of them.
             B = len(seqs)
             _, w_idx, r_idx = self._ctx["decode"]
-            cos, sin = self._ctx["rope_heads"]                           # [B, 1, hd]
-            qk = qk * cos + rotate_half_roll(qk) * sin
+            cos, sin = self._ctx["rope_heads"]                           # [B, 1, rotary dim]
+            qk = self._rotate(qk, cos, sin)
             K[w_idx] = qk[:, nh:]                                        # k: [B, kv, hd]
             V[w_idx] = v
             kk, vv = K[r_idx].transpose(1, 2), V[r_idx].transpose(1, 2)  # [B, kv, n, hd]
             mask = self._decode_mask(i)                                  # mask: [B, 1, 1, n]
             out = self._sdpa(i, qk[:, :nh, None], kk, vv, mask).reshape(B, nh * hd)
-            return self._o_proj(i, out)
+            return self._o_proj(i, self._gate(out, qkv, nq + nkv))
         out = torch.empty(x.shape[0], nh, hd, dtype=x.dtype, device=x.device)
         for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(seqs, spans, self._ctx["prefill"], self._ctx["rope_prefill"]):
             p0, n_new = s.length, b - a
-            qks = qk[a:b] * cos + rotate_half_roll(qk[a:b]) * sin          # qks: [new, heads + kv, hd]
+            qks = self._rotate(qk[a:b], cos, sin)                        # qks: [new, heads + kv, hd]
             K[w_idx] = qks[:, nh:]                                       # ks: [new, kv, hd]
             V[w_idx] = v[a:b]
             ctx = p0 + n_new
@@ -416,7 +565,49 @@ class MoEModel:
                 causal &= torch.arange(ctx, device=x.device)[None, :] > qpos - cfg.sliding_window
             o = self._sdpa(i, qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)
-        return self._o_proj(i, out.reshape(-1, nh * hd))
+        return self._o_proj(i, self._gate(out.reshape(-1, nh * hd), qkv, nq + nkv))
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k heads (cos and the signed sin broadcast over heads); with a rotary dim
+        below the head dim (Qwen3-Next: a quarter) only the first rotary_dim channels turn."""
+        rd = self.cfg.rotary_dim
+        if not rd:
+            return qk * cos + rotate_half_roll(qk) * sin
+        r = qk[..., :rd]
+        return torch.cat([r * cos + rotate_half_roll(r) * sin, qk[..., rd:]], dim=-1)
+
+    def _gate(self, out: torch.Tensor, qkv: torch.Tensor, start: int) -> torch.Tensor:
+        """Gated attention (Qwen3-Next): the attention output times sigmoid of the gate projection,
+        which follows q | k | v in qkv. out: [tokens, heads * hd]."""
+        if not self.cfg.attn_output_gate:
+            return out
+        return out * torch.sigmoid(qkv[:, start * self.cfg.head_dim:])
+
+    def _linear_attention(self, i: int, x: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
+        """Linear attention (KDA, Gated DeltaNet): each sequence carries its recurrent and convolution
+        state in its slot of the state arena. One token per sequence (decode, or one-token prompts):
+        one batched step for all of them; longer chunks: the chunked form per sequence, from the
+        state its earlier chunks left. A sequence's first token starts from the zero state, whatever
+        its slot held before."""
+        layer, j = self.linear[i], self.state_layer[i]
+        R, C = self.kv.rec[j], self.kv.conv[j]                           # R: [slots, H, K, V]; C: [slots, conv dim, W-1]
+        if all(b - a == 1 for a, b in spans):
+            slots = self._ctx["state"]                                   # slots: [B]
+            fresh = self._ctx["fresh"]
+            if fresh is not None:
+                R[fresh] = 0
+                C[fresh] = 0
+            y, S, conv = layer.step(x, R[slots], C[slots])
+            R[slots] = S
+            C[slots] = conv
+            return y
+        out = torch.empty_like(x)                                        # out: [tokens, hidden]
+        for s, (a, b) in zip(seqs, spans):
+            y, st = layer(x[a:b], None if s.length == 0 else LinearAttentionState(R[s.state], C[s.state]))
+            R[s.state] = st.recurrent
+            C[s.state] = st.conv
+            out[a:b] = y
+        return out
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -490,7 +681,7 @@ class MoEModel:
             if res:
                 bonus = torch.zeros(cfg.num_experts, device=logits.device)
                 bonus[res] = self.cache_bonus
-        ids, wts = route(logits, cfg, self.w.get(self._p(i, "mlp.gate.e_score_correction_bias")), bonus)
+        ids, wts = route(logits, cfg, self.w.get(correction_bias_name(cfg, i)), bonus)
         if self.record is not None:
             self.record(m, ids)
         wts = wts.to(self.dtype)
@@ -524,7 +715,9 @@ class MoEModel:
                     continue                     # on a CPU worker (see _host_experts)
                 t0 = time.perf_counter() if on_host else 0.0
                 # float operands (dequantized if the store is quantized, widened once if half precision)
-                t = codec.weights(fetch.tensors(e), (m, e))
+                # Host-computed experts convert into scratch: kept, they would push the device tier's
+                # experts out of the converted-operand cache (sized to the device tier).
+                t = codec.weights(fetch.tensors(e), None if on_host else (m, e))
                 a, b = off[e], off[e + 1]
                 self._expert_ffn(t, xs[a:b], ys[a:b])
                 if on_host:
@@ -557,6 +750,10 @@ class MoEModel:
             write = torch.stack([s.slot_ids[p] for s, p in zip(seqs, pos)])
             pos_t = torch.tensor(pos, device=self.device)
             ctx = {"decode": (pos_t, write, read), "rope": self._rope(pos_t), "masks": {}}   # rope: cos, sin [B, hd]
+            if self.kv.state_slots:
+                ctx["state"] = torch.tensor([s.state for s in seqs], device=self.device)
+                fresh = [s.state for s in seqs if s.length == 0]
+                ctx["fresh"] = torch.tensor(fresh, device=self.device) if fresh else None
             if self.cfg.attention != "mla":   # cos, signed sin broadcast over heads: [B, 1, hd]
                 cos, sin = ctx["rope"]
                 ctx["rope_heads"] = (cos[:, None], signed_sin(sin)[:, None])
@@ -635,7 +832,7 @@ class MoEModel:
             h = rms_norm(x, w[self._p(i, "input_layernorm.weight")], cfg.rms_norm_eps)
             x = x + self._attention(i, h, seqs, spans)
             h = rms_norm(x, w[self._p(i, "post_attention_layernorm.weight")], cfg.rms_norm_eps)
-            x = x + (self._moe(i, h) if i in self.moe_index else self._mlp(self._p(i, "mlp."), h))
+            x = x + (self._moe(i, h) if i in self.moe_index else self._mlp(self._p(i, cfg.mlp_prefix), h))
         for s, c in zip(seqs, chunks):
             s.length += len(c)
         last = torch.tensor([b - 1 for _, b in spans], device=self.device)

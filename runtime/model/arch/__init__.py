@@ -1,0 +1,62 @@
+"""One module per architecture (issue 12).
+
+Each module owns what is specific to its Hugging Face ``model_type``: how its ``config.json`` maps
+onto ``MoEConfig`` (``config``), which layers transformers' rules make sliding-window
+(``sliding_layers``), and - through the config fields it sets (``mlp_prefix``, ``shared_prefix``,
+``expert_tensors``, ``linear_layers``...) - its tensor-name table, which ``convert.dense_names`` /
+``expert_names`` read and the forward pass never spells out per architecture. Adding an
+architecture is a module here and an entry in ``ARCHITECTURES``.
+
+Modules are imported on first use (they import ``MoEConfig``, which imports this registry)."""
+from __future__ import annotations
+
+import importlib
+
+# model_type -> module in this package
+ARCHITECTURES = {
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen_moe",
+    "qwen3_moe": "qwen_moe",
+    "olmoe": "olmoe",
+    "deepseek_v3": "deepseek_v3",
+    "gpt_oss": "gpt_oss",
+    "kimi_linear": "kimi_linear",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_moe_text": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",          # the multimodal release: its language model (text_config)
+    "glm4_moe": "glm4_moe",
+    "minimax_m2": "minimax_m2",
+}
+
+
+def language_model(d: dict) -> dict:
+    """A multimodal config -> its language model's config (the architecture module's ``language_model``);
+    any other config unchanged."""
+    mt = d.get("model_type")
+    if mt in ARCHITECTURES and hasattr(module(mt), "language_model"):
+        return module(mt).language_model(d)
+    return d
+
+
+def module(model_type: str):
+    return importlib.import_module(f"{__name__}.{ARCHITECTURES[model_type]}")
+
+
+def check_layer_kinds(kinds: list, d: dict, source: str) -> list:
+    """``layer_types`` of a hybrid model: one implemented kind per layer, else an error naming the layer."""
+    from ..config import LAYER_KINDS
+    L = int(d["num_hidden_layers"])
+    if len(kinds) != L:
+        raise ValueError(f"{source}: layer_types has {len(kinds)} entries for {L} layers")
+    for i, k in enumerate(kinds):
+        if k not in LAYER_KINDS:
+            raise ValueError(f"{source}: layer {i} has kind {k!r}, which tiered-moe does not implement for "
+                             f"{d['model_type']} (implemented: {', '.join(LAYER_KINDS)})")
+    return kinds
+
+
+def typed_sliding(d: dict) -> "list | None":
+    """Sliding layers from ``layer_types`` (newer configs say it per layer), else None."""
+    if d.get("layer_types"):
+        return [i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention"]
+    return None
