@@ -168,34 +168,47 @@ def cmd_demo(a) -> int:
     """The main job on the embedded default: a synthetic checkpoint with real routing locality,
     converted into the tiers and decoded at low and high batch."""
     from .model.convert import convert
-    from .model.synthetic import SyntheticModelSpec, build_checkpoint
+    from .model.synthetic import K3ShapeSpec, SyntheticModelSpec, build_checkpoint, build_k3_checkpoint
     from .regimes import format_rows, run_regimes
     from .store import Manifest
-    spec = SyntheticModelSpec(seed=a.seed)
-    hf, store = os.path.join(a.workdir, "hf"), os.path.join(a.workdir, "store")
+    k3 = a.shape == "k3"
+    spec = K3ShapeSpec(seed=a.seed) if k3 else SyntheticModelSpec(seed=a.seed)
+    sub = "k3" if k3 else ""
+    hf, store = os.path.join(a.workdir, sub, "hf"), os.path.join(a.workdir, sub, "store")
     if not Manifest.current(store):
-        print(f"building the synthetic checkpoint in {a.workdir} (first run, or a store of an older version) ...",
+        print(f"building the synthetic checkpoint in {os.path.dirname(hf)} (first run, or a store of an older version) ...",
               file=sys.stderr if a.build_only else sys.stdout, flush=True)
-        build_checkpoint(hf, spec)
-        convert(hf, store, progress=sys.stderr.isatty())
+        if k3:
+            build_k3_checkpoint(hf, spec)
+            convert(hf, store, progress=sys.stderr.isatty(), quantize="mxfp4")
+        else:
+            build_checkpoint(hf, spec)
+            convert(hf, store, progress=sys.stderr.isatty())
     m = Manifest.read(store)
     if a.build_only:
         print(store)
         return 0
-    print(f"model: synthetic Mixtral-format MoE, {spec.num_layers} layers x {spec.num_experts} experts, top-{spec.top_k}, "
-          f"hidden {spec.hidden_size}; router locality knobs skew={spec.skew}, topics={spec.topics}, "
-          f"topic_strength={spec.topic_strength} (runtime/model/synthetic.py); {m.blob_bytes / 1e6:.2f} MB per expert")
+    if k3:
+        print(f"model: K3-shaped synthetic (runtime/model/synthetic.py K3ShapeSpec): {spec.num_layers} layers, KDA:MLA 3:1, "
+              f"{spec.num_experts} LatentMoE experts (latent {spec.latent_size} of hidden {spec.hidden_size}) top-{spec.top_k} "
+              f"+ {spec.shared_experts} shared, Block Attention Residuals over blocks of {spec.attn_res_block_layers} layers; "
+              f"experts MXFP4, {m.blob_bytes / 1e3:.1f} kB each")
+        print(_k3_memory_table(store, a.high_batch) + "\n", flush=True)
+    else:
+        print(f"model: synthetic Mixtral-format MoE, {spec.num_layers} layers x {spec.num_experts} experts, top-{spec.top_k}, "
+              f"hidden {spec.hidden_size}; router locality knobs skew={spec.skew}, topics={spec.topics}, "
+              f"topic_strength={spec.topic_strength} (runtime/model/synthetic.py); {m.blob_bytes / 1e6:.2f} MB per expert")
     batches = [1, a.high_batch]
     configs = [("none", "none"), ("lru", "none"), ("lru", "freq")]
     print(f"device tier: {a.device_fraction:.0%} of experts ({'CPU memory standing in for HBM' if not __import__('torch').cuda.is_available() else 'CUDA'}); "
           f"host holds every expert; decoding {a.requests} requests x {a.max_tokens} tokens at batch {batches}\n", flush=True)
     rows = run_regimes(store, batches=batches, configs=configs, device_fraction=a.device_fraction, requests=a.requests,
                        prompt_len=8, max_tokens=a.max_tokens, profile="h200", geometry="kimi-k3", seed=a.seed,
-                       out_prefix=os.path.join(a.workdir, "regimes"), progress=sys.stderr.isatty())
+                       out_prefix=os.path.join(os.path.dirname(hf), "regimes"), progress=sys.stderr.isatty())
     print(format_rows(rows))
     print(f"\nmeasured: this machine{' (the device tier is CPU memory, so a load is a memcpy and offloading costs little; measured tok/s mostly shows Python overhead)' if not __import__('torch').cuda.is_available() else ''}.\n"
           f"projected: the recorded routing replayed with Kimi K3-sized bf16 experts (66 MB) on the h200 profile.\n"
-          f"table, JSON and plot: {os.path.join(a.workdir, 'regimes')}.{{json,png}}\n")
+          f"table, JSON and plot: {os.path.join(os.path.dirname(hf), 'regimes')}.{{json,png}}\n")
     for b in batches:
         rs = {r["policy"] + ("+" + r["prefetch"] if r["prefetch"] != "none" else ""): r for r in rows if r["batch"] == b}
         best = max((v for k, v in rs.items() if k != "none"), key=lambda r: r["projected"]["tokens_per_s"])
@@ -206,6 +219,31 @@ def cmd_demo(a) -> int:
               f"{best['hit_rate']['device']:.0%} on the device -> {gain:.2f}x the projected tokens/s of loading on "
               f"demand ({verdict})")
     return 0
+
+
+def _k3_memory_table(store: str, batch: int) -> str:
+    """Device bytes the per-sequence caches of ``batch`` sequences take in the K3-shaped model (KDA
+    layers: a fixed state; MLA layers: a latent per token) and in the same model with MLA in every
+    layer, at growing context; the difference in MXFP4 expert slots the recurrent layers free."""
+    import torch
+
+    from .model import MoEConfig
+    from .model.moe import kv_bytes_per_token, state_bytes_per_sequence
+    from .store import Manifest
+    cfg = MoEConfig.from_hf(store)
+    full = MoEConfig.from_dict({**__import__("json").load(open(os.path.join(store, "config.json"))),
+                                "layer_types": ["full_attention"] * cfg.num_layers})
+    dt, stride = torch.bfloat16, Manifest.read(store).blob_stride
+    tok, seq, full_tok = kv_bytes_per_token(cfg, dt), state_bytes_per_sequence(cfg, dt), kv_bytes_per_token(full, dt)
+    lines = [f"cache of {batch} sequences (bf16 KV, float32 recurrent state; from the per-layer cache specs): "
+             f"{len(cfg.linear_layers)} KDA layers {seq:,} B per sequence + {len(cfg.attention_layers)} MLA layers "
+             f"{tok:,} B per token, against MLA in all {cfg.num_layers} layers {full_tok:,} B per token",
+             f"{'context':>9} {'K3 shape':>12} {'all MLA':>12} {'freed':>12} {'= experts':>10}"]
+    for n in (4096, 32768, 131072):
+        ours, mla = batch * (n * tok + seq), batch * n * full_tok
+        lines.append(f"{n:>9,} {ours / 2**20:>10.1f}Mi {mla / 2**20:>10.1f}Mi {(mla - ours) / 2**20:>10.1f}Mi "
+                     f"{max(0, mla - ours) // stride:>10,}")
+    return "\n".join(lines)
 
 
 def cmd_regimes(a) -> int:
@@ -291,7 +329,8 @@ def cmd_generate(a) -> int:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
     model, store = load_model(a.model, device_budget=_budget(a.device_budget, "--device-budget"),
                               kv_cache_bytes=_budget(a.kv_cache_budget, "--kv-cache-budget"), host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
-                              progress=sys.stderr.isatty(), cpu_experts=a.cpu_experts, profile=a.profile)
+                              progress=sys.stderr.isatty(), cpu_experts=a.cpu_experts, profile=a.profile,
+                              max_batch=a.max_batch)
     try:
         # generate knows its batch: no more sequences than prompts run at once
         batch = min(a.max_batch, len(prompts))
@@ -446,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=24)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--build-only", action="store_true", help="build the checkpoint and store, print the store path, stop")
+    d.add_argument("--shape", choices=("mixtral", "k3"), default="mixtral",
+                   help="mixtral: the default synthetic Mixtral-format model; k3: a scaled-down Kimi K3 shape (KDA:MLA 3:1, "
+                        "LatentMoE, 128 experts top-16, two shared experts, Block Attention Residuals, MXFP4 experts)")
     _add_threads(d)
     d.set_defaults(func=cmd_demo)
 

@@ -22,7 +22,7 @@ def compute_dtype_for(dtype: torch.dtype, device) -> torch.dtype:
 def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_budget: "int | None" = None,
                kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "lru", scope: str = "global",
                device: "str | None" = None, progress: bool = False, dtype=None, cpu_experts="0",
-               profile: "str | None" = None):
+               profile: "str | None" = None, max_batch: int = 1):
     """A converted store -> (model, store).
 
     ``device_budget``: the whole device tier - dense weights, the KV cache reservation
@@ -31,7 +31,9 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     expert slots in host memory (None: every expert). ``dtype``: the dtype the dense weights,
     activations and KV cache are computed in; default the checkpoint's, except float32 for a
     half-precision checkpoint on a CPU (see ``compute_dtype_for``). ``cpu_experts`` (0, N or auto) and
-    ``profile``: hybrid execution, see ``ExpertStore``."""
+    ``profile``: hybrid execution, see ``ExpertStore``. ``max_batch``: sequences that run at once; a
+    model with linear-attention layers reserves their recurrent state on the device (in
+    ``kv_cache_bytes`` when given)."""
 
     from ..store import ExpertStore, Manifest
     from .convert import load_dense
@@ -52,13 +54,19 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     dtype = dtype or compute_dtype_for(dense["model.embed_tokens.weight"].dtype,
                                        device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device_budget is not None:
+        from .moe import state_bytes_per_sequence
         dense_bytes = sum(t.numel() * dtype.itemsize for t in dense.values())
         need = cfg.top_k * m.blob_stride * (m.num_layers if scope == "layer" else 1)
-        expert_budget = device_budget - dense_bytes - kv_cache_bytes
+        state = max_batch * state_bytes_per_sequence(cfg, dtype)
+        cache = max(kv_cache_bytes, state)     # the KV budget holds the state slots when given
+        expert_budget = device_budget - dense_bytes - cache
         if expert_budget < need:
+            what = f"KV cache ({kv_cache_bytes:,} bytes)"
+            if state > kv_cache_bytes:
+                what = f"the linear-attention state of --max-batch {max_batch} sequences ({state:,} bytes)"
             raise ValueError(f"device budget {device_budget:,} bytes cannot hold the dense weights ({dense_bytes:,} bytes) "
-                             f"+ KV cache ({kv_cache_bytes:,} bytes) + one layer's top-{cfg.top_k} experts ({need:,} bytes): "
-                             f"the minimum is {dense_bytes + kv_cache_bytes + need:,} bytes")
+                             f"+ {what} + one layer's top-{cfg.top_k} experts ({need:,} bytes): "
+                             f"the minimum is {dense_bytes + cache + need:,} bytes")
     if expert_budget is None:
         expert_budget = m.num_layers * m.num_experts * m.blob_stride
     store = ExpertStore(store_dir, device_budget=expert_budget, host_budget=host_budget, policy=policy, scope=scope,

@@ -64,6 +64,7 @@ class MoEConfig:
     rotary_dim: int = 0
     attn_output_gate: bool = False
     norm_offset: float = 0.0
+    attn_res_block_layers: int = 0     # > 0: Block Attention Residuals over blocks of this many layers (attn_res.py)
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): attention = "mla"
     attention: str = "gqa"
     q_lora_rank: int = 0               # 0: a plain q_proj
@@ -118,6 +119,8 @@ class MoEConfig:
                 self.linear_num_v_heads < 1 or self.linear_value_head_dim < 1 or self.linear_num_v_heads % max(1, self.linear_num_heads)):
             raise ValueError(f"{src}: Gated DeltaNet needs linear_num_value_heads ({self.linear_num_v_heads}) a positive "
                              f"multiple of linear_num_key_heads ({self.linear_num_heads}) and a positive value head dim")
+        if not 0 <= self.attn_res_block_layers <= self.num_layers:
+            raise ValueError(f"{src}: attn_res_block_layers {self.attn_res_block_layers} must be in 0..{self.num_layers}")
         if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"{src}: rotary dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
         if self.linear_layers and (self.linear_num_heads < 1 or self.linear_head_dim < 1 or self.linear_conv_kernel < 2):

@@ -61,6 +61,8 @@ def dense_names(cfg: MoEConfig) -> dict:
     H, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     out = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if cfg.attn_res_block_layers:
+        out["model.attn_res.final_query"] = (H,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_layers):
@@ -86,6 +88,8 @@ def dense_names(cfg: MoEConfig) -> dict:
             qo = q * (2 if cfg.attn_output_gate else 1)      # gated attention: [q | gate] per head
             out.update({p + "self_attn.q_proj.weight": (qo, H), p + "self_attn.k_proj.weight": (kv, H),
                         p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)})
+        if cfg.attn_res_block_layers:
+            out.update({p + "attn_res.attn_query": (H,), p + "attn_res.mlp_query": (H,)})
         if i not in cfg.linear_layers:   # the attention extras: biases, sinks, q/k norms
             out.update(_attention_extras(cfg, p))
         if i in cfg.moe_layers:
@@ -93,8 +97,8 @@ def dense_names(cfg: MoEConfig) -> dict:
             if cfg.router_bias:
                 out[router_name(cfg, i).replace(".weight", ".bias")] = (cfg.num_experts,)
             if cfg.latent_dim:
-                out[p + "block_sparse_moe.latent_down.weight"] = (cfg.latent_dim, H)
-                out[p + "block_sparse_moe.latent_up.weight"] = (H, cfg.latent_dim)
+                out[p + cfg.mlp_prefix + "latent_down.weight"] = (cfg.latent_dim, H)
+                out[p + cfg.mlp_prefix + "latent_up.weight"] = (H, cfg.latent_dim)
             if cfg.router == "sigmoid_group":
                 out[correction_bias_name(cfg, i)] = (cfg.num_experts,)
             if cfg.shared_intermediate:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import ExpertCodec
+from .attn_res import BlockAttnRes
 from .config import MoEConfig
 from .convert import correction_bias_name, linear_names, router_name
 from .linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, KimiDeltaAttention, LinearAttentionState,
@@ -699,7 +700,7 @@ class MoEModel:
         fetch = self.experts.request(m, used, self.step, counts[used].tolist())   # tokens per expert: hybrid decisions weigh them
         xin = x
         if cfg.latent_dim:   # LatentMoE: experts run in a smaller latent space
-            xin = F.linear(x, self.w[self._p(i, "block_sparse_moe.latent_down.weight")])   # xin: [tokens, latent]
+            xin = F.linear(x, self.w[self._p(i, cfg.mlp_prefix + "latent_down.weight")])   # xin: [tokens, latent]
         tok = torch.from_numpy(order // k).to(x.device)                  # token of each sorted slot
         xs = xin[tok]                                                    # xs: [T*k, hidden or latent]
         ys = torch.empty_like(xs)
@@ -728,7 +729,7 @@ class MoEModel:
         y = ys[torch.from_numpy(back).to(x.device)].view(T, k, -1)       # y: [T, k, hidden or latent]
         out = (y * wts[:, :, None]).sum(1)
         if cfg.latent_dim:
-            out = F.linear(out, self.w[self._p(i, "block_sparse_moe.latent_up.weight")])
+            out = F.linear(out, self.w[self._p(i, cfg.mlp_prefix + "latent_up.weight")])
         if cfg.shared_intermediate:
             sh = self._mlp(self._p(i, cfg.shared_prefix), x)
             if cfg.shared_expert_gate:
@@ -737,6 +738,26 @@ class MoEModel:
         if self.prefetch_hook is not None:
             self.prefetch_hook(m, used, x)
         return out
+
+    def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return self._moe(i, h) if i in self.moe_index else self._mlp(self._p(i, self.cfg.mlp_prefix), h)
+
+    def _layers_attn_res(self, x: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
+        """The decoder layers with Block Attention Residuals (attn_res.py): each sublayer reads a
+        softmax mix of the block summaries by its pseudo-query instead of the running sum.
+        x: [tokens, hidden] embeddings -> the final hidden state."""
+        cfg, w = self.cfg, self.w
+        res = BlockAttnRes(x, cfg.rms_norm_eps)
+        for i in range(cfg.num_layers):
+            h = rms_norm(res.input(w[self._p(i, "attn_res.attn_query")]), w[self._p(i, "input_layernorm.weight")],
+                         cfg.rms_norm_eps)
+            res.add(self._attention(i, h, seqs, spans))
+            h = rms_norm(res.input(w[self._p(i, "attn_res.mlp_query")]), w[self._p(i, "post_attention_layernorm.weight")],
+                         cfg.rms_norm_eps)
+            res.add(self._ffn(i, h))
+            if (i + 1) % cfg.attn_res_block_layers == 0:
+                res.end_block()
+        return res.input(w["model.attn_res.final_query"])
 
     def _kv_indices(self, seqs: list, spans: list) -> dict:
         """Token slots of this forward, computed once for every layer: decode - each sequence's
@@ -828,11 +849,14 @@ class MoEModel:
                              f"block for a sequence of {sq.length + len(c)} tokens")
         self._ctx = self._kv_indices(seqs, spans)
         x = w["model.embed_tokens.weight"][torch.tensor(flat, device=self.device)]  # x: [tokens, hidden]
-        for i in range(cfg.num_layers):
-            h = rms_norm(x, w[self._p(i, "input_layernorm.weight")], cfg.rms_norm_eps)
-            x = x + self._attention(i, h, seqs, spans)
-            h = rms_norm(x, w[self._p(i, "post_attention_layernorm.weight")], cfg.rms_norm_eps)
-            x = x + (self._moe(i, h) if i in self.moe_index else self._mlp(self._p(i, cfg.mlp_prefix), h))
+        if cfg.attn_res_block_layers:
+            x = self._layers_attn_res(x, seqs, spans)
+        else:
+            for i in range(cfg.num_layers):
+                h = rms_norm(x, w[self._p(i, "input_layernorm.weight")], cfg.rms_norm_eps)
+                x = x + self._attention(i, h, seqs, spans)
+                h = rms_norm(x, w[self._p(i, "post_attention_layernorm.weight")], cfg.rms_norm_eps)
+                x = x + self._ffn(i, h)
         for s, c in zip(seqs, chunks):
             s.length += len(c)
         last = torch.tensor([b - 1 for _, b in spans], device=self.device)

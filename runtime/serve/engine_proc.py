@@ -110,7 +110,7 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
         torch.set_num_threads(cfg.threads)
     model, store = load_model(cfg.model, device_budget=cfg.device_budget, expert_budget=cfg.expert_budget, kv_cache_bytes=cfg.kv_cache_budget,
                               host_budget=cfg.host_budget, policy=cfg.policy, scope=cfg.scope,
-                              cpu_experts=cfg.cpu_experts, profile=cfg.profile)
+                              cpu_experts=cfg.cpu_experts, profile=cfg.profile, max_batch=cfg.max_batch)
     try:
         eng = Engine(model, store, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk, prefetch=cfg.prefetch,
                      cache_bonus=cfg.cache_bonus, schedule=cfg.schedule, max_active=cfg.max_active,

@@ -96,6 +96,25 @@ def test_demo_builds_converts_and_compares_regimes(tmp_path):
     assert "building the synthetic checkpoint" not in again.stdout
 
 
+def test_demo_k3_shape_builds_an_mxfp4_hybrid_store_and_states_the_memory_it_frees(tmp_path):
+    from runtime.cli import _k3_memory_table
+    from runtime.model import MoEConfig
+    from runtime.store import Manifest
+    p = cli("demo", "--shape", "k3", "--workdir", str(tmp_path), "--build-only")
+    store = p.stdout.strip().splitlines()[-1]
+    assert store == str(tmp_path / "k3" / "store")
+    cfg, m = MoEConfig.from_hf(store), Manifest.read(store)
+    assert (cfg.top_k, cfg.num_experts, cfg.shared_intermediate // cfg.expert_intermediate) == (16, 128, 2)
+    assert len(cfg.linear_layers) == 3 * len(cfg.attention_layers) and cfg.attn_res_block_layers and cfg.latent_dim
+    assert m.expert_format == "mxfp4"
+    table = _k3_memory_table(store, 8)
+    # 6 KDA layers: 4 heads x 64 x 64 float32 + conv 768 x 3 bf16; 2 MLA layers: (64 + 16) bf16 per token
+    per_seq, per_tok, full_tok = 6 * (4 * 64 * 64 * 4 + 768 * 3 * 2), 2 * 80 * 2, 8 * 80 * 2
+    freed = 8 * 32768 * full_tok - 8 * (32768 * per_tok + per_seq)
+    assert f"{per_seq:,} B per sequence" in table and f"{full_tok:,} B per token" in table
+    assert f"{freed // m.blob_stride:,}" in table.splitlines()[3]
+
+
 def test_convert_generate_roundtrip(tmp_path):
     from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
     build_checkpoint(str(tmp_path / "hf"), SyntheticModelSpec(num_layers=2, num_experts=8, hidden_size=32,

@@ -50,6 +50,9 @@ def config(d: dict, common: dict, need) -> MoEConfig:
                      q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
                      qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
                      v_head_dim=int(need("v_head_dim")), mla_rope=False,
+                     # tiered-moe extensions for the K3-shaped synthetic checkpoint (synthetic.py):
+                     latent_dim=int(d.get("moe_latent_size") or 0),
+                     attn_res_block_layers=int(d.get("attn_res_block_layers") or 0),
                      linear_layers=[i for i, k in enumerate(kinds) if k == "linear_attention"],
                      linear_num_heads=int(lac.get("num_heads") or d.get("linear_num_heads") or 0),
                      linear_head_dim=int(lac.get("head_dim") or d.get("linear_head_dim") or 0),

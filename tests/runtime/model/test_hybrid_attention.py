@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.engine import Engine, SamplingParams
 from runtime.model import MoEConfig, Sequence, load_model
-from runtime.model.convert import convert
+from runtime.model.convert import convert, load_dense
 from runtime.model.linear_attention import GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, KimiDeltaAttention
 from runtime.model.moe import StateCacheSpec, TokenCacheSpec
 
@@ -108,6 +108,27 @@ def test_cache_specs_and_one_budget(kimi):
             model.init_kv(3 * per_seq, max_seqs=3)
     finally:
         store.close()
+
+
+def load_dense_bytes(store_dir):
+    return list(load_dense(store_dir, MoEConfig.from_hf(store_dir)).values())
+
+
+def test_device_budget_minimum_counts_the_state_of_max_batch_sequences(kimi):
+    _, _, store_dir = kimi
+    model, store = load_model(store_dir)
+    try:
+        dense = sum(t.numel() * 4 for t in load_dense_bytes(store_dir))
+        per_seq = model.state_bytes_per_sequence()
+        experts = model.cfg.top_k * store.m.blob_stride
+    finally:
+        store.close()
+    need = dense + 8 * per_seq + experts
+    with pytest.raises(ValueError, match=rf"linear-attention state of --max-batch 8 sequences \({8 * per_seq:,} bytes\).*"
+                                         rf"the minimum is {need:,} bytes"):
+        load_model(store_dir, device_budget=need - 1, max_batch=8)
+    _, st = load_model(store_dir, device_budget=need, max_batch=8)
+    st.close()
 
 
 def test_state_slots_limit_admission_and_are_reset(kimi):
