@@ -88,6 +88,7 @@ class Pool:
             misses = [k for k in keys if k not in res] if detail else None
             n_hits, evicted = policy.group_access(self, keys, t)
             return n_hits, misses, evicted, 1
+        policy.on_demand(keys, t)
         hits = [k for k in keys if k in res]
         if len(hits) == len(keys):
             if hits:

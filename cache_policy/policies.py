@@ -56,6 +56,10 @@ class EvictionPolicy:
         """Keys needed now but computed on the host without being loaded (hybrid execution).
         Nothing is resident or evicted; a policy that keeps usage statistics may count the use."""
 
+    def on_demand(self, keys: list, t: int) -> None:
+        """A demand group arrives whole (before its hits and loads are reported). Lets a policy
+        tell demand loads from prefetches without ``aux`` (the live store passes none)."""
+
     def initial_residents(self, keys: Iterable[int], capacity: int) -> list:
         """Keys to load before the first step (warm start). Only `static` has any."""
         return []
@@ -582,6 +586,8 @@ class Reuse(_ScoreHeap):
         if self.stats is None:
             raise ValueError("reuse: unbound - it needs the model's geometry (use it through TieredPlacement, "
                              "or call bind(num_layers=..., num_experts=...))")
+        if not keys:        # nothing of the group reaches the pool (e.g. every miss computed on the host)
+            return
         layer = keys[0] // self.E
         pos = t * self.L + layer
         if pos != self.cur_pos:
@@ -723,6 +729,10 @@ class Reuse(_ScoreHeap):
     def on_bypass(self, keys, t, aux):
         if keys:
             self._note(keys, t)   # a use: it counts, though nothing is resident
+
+    def on_demand(self, keys, t):
+        if keys:
+            self._note(keys, t)   # the loads that follow are demand loads, also without aux (live)
 
     def on_insert(self, keys, t, aux):
         if not keys:

@@ -24,7 +24,7 @@ PREFETCH_RULES = ("cost", "always")
 
 @dataclass
 class ReplayConfig:
-    policy: str = "lru"
+    policy: str = "reuse"
     scope: str = "global"
     device_capacity: str = "0.1"
     host_capacity: "str | None" = None       # None: the host holds every expert

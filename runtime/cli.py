@@ -429,7 +429,8 @@ def _add_tier_args(p) -> None:
                         "blocks and preempted (recomputed later) when out (default 0: --max-batch sequences of 1024 "
                         "tokens, at least one whole context up to 8192)")
     p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
-    p.add_argument("--policy", default="lru", help="lru, lfu, freq, reuse or none")
+    p.add_argument("--policy", default="reuse", help="reuse (default: predicted reuse, no collapse in a global pool at "
+                                                     "high batch), lru, lfu, freq or none")
     p.add_argument("--scope", default="global", help="layer or global")
     p.add_argument("--prefetch", default="none", help="none, freq, transition or lookahead")
     _add_hybrid_args(p)
@@ -513,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a routing trace through tier placement")
     r.add_argument("--trace", help="routing trace .npz (layout: cache_policy/traces.py)")
     r.add_argument("--synthetic", action="store_true", help="generate a trace instead (knobs below)")
-    r.add_argument("--policy", default="lru", help=f"one or more, comma-separated: {', '.join(POLICIES)}")
+    r.add_argument("--policy", default="reuse", help=f"one or more, comma-separated: {', '.join(POLICIES)}")
     r.add_argument("--scope", default="global", help="layer (C slots per layer) or global (C slots in total)")
     r.add_argument("--device-capacity", default="0.1", help="fraction of all experts (0.1), count (166) or size (24GiB)")
     r.add_argument("--host-capacity", default=None, help="as --device-capacity; default: the host holds every expert")

@@ -20,7 +20,7 @@ def compute_dtype_for(dtype: torch.dtype, device) -> torch.dtype:
 
 
 def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_budget: "int | None" = None,
-               kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "lru", scope: str = "global",
+               kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "reuse", scope: str = "global",
                device: "str | None" = None, progress: bool = False, dtype=None, cpu_experts="0",
                profile: "str | None" = None, max_batch: int = 1):
     """A converted store -> (model, store).

@@ -22,7 +22,7 @@ class EngineConfig:
     device_budget: "int | None" = None
     kv_cache_budget: int = 0
     host_budget: "int | None" = None
-    policy: str = "lru"
+    policy: str = "reuse"
     scope: str = "global"
     prefetch: str = "none"
     max_batch: int = 16

@@ -183,7 +183,7 @@ class Fetch:
 
 class ExpertStore:
     def __init__(self, store_dir: str, *, device_budget: int, host_budget: "int | None" = None,
-                 policy: str = "lru", scope: str = "global", device: "str | None" = None,
+                 policy: str = "reuse", scope: str = "global", device: "str | None" = None,
                  min_experts_per_layer: int = 1, threads: int = 4, verify: bool = True,
                  max_inflight_prefetch: int = 64, direct_io: bool = True, progress: bool = False,
                  cpu_experts: "str | int | CpuExperts" = "0", profile: "str | None" = None) -> None:

@@ -8,14 +8,15 @@ from runtime.model import MoEConfig, load_model
 from runtime.store import Manifest
 
 
-@pytest.mark.parametrize("scope,frac,batch", [("global", 0.25, 3), ("layer", 0.5, 2), ("global", 0.1, 1), ("global", 0.07, 3)])
-def test_live_hits_equal_replay_of_the_recorded_trace(hf_model, scope, frac, batch):
+@pytest.mark.parametrize("scope,frac,batch,policy", [("global", 0.25, 3, "lru"), ("layer", 0.5, 2, "lru"),
+                                                    ("global", 0.1, 1, "reuse"), ("global", 0.07, 3, "reuse")])
+def test_live_hits_equal_replay_of_the_recorded_trace(hf_model, scope, frac, batch, policy):
     name, ref, hf_dir, store_dir = hf_model
     m = Manifest.read(store_dir)
     k = MoEConfig.from_hf(store_dir).top_k
     slots = max(k, int(frac * (m.num_experts if scope == "layer" else m.num_layers * m.num_experts)))
     budget = slots * m.blob_stride * (m.num_layers if scope == "layer" else 1)
-    model, store = load_model(store_dir, expert_budget=budget, scope=scope)
+    model, store = load_model(store_dir, expert_budget=budget, scope=scope, policy=policy)
     try:
         # One token per sequence per step: the batching the replay simulator models.
         eng = Engine(model, store, max_batch=batch, prefill_chunk=1)
@@ -28,7 +29,7 @@ def test_live_hits_equal_replay_of_the_recorded_trace(hf_model, scope, frac, bat
     finally:
         store.close()
     assert tr.num_sequences == 5 and tr.num_layers == model.cfg.num_moe_layers
-    r = replay_batch(tr, ReplayConfig(policy="lru", scope=scope, device_capacity=str(slots)), batch)
+    r = replay_batch(tr, ReplayConfig(policy=policy, scope=scope, device_capacity=str(slots)), batch)
     assert live["device"] == r["hits"]["device"], name
     assert live["device"] + live["host"] + live["disk"] == r["accesses"]
 

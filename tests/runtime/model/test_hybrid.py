@@ -49,8 +49,8 @@ def test_outputs_identical_and_no_copies_for_host_experts(hf_model):
     assert snap_first["layer_hits"][0][0] == 0 and snap_first["computed"]["host"] == sum(snap_first["layer_hits"][0])
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_live_hybrid_decisions_equal_replay(hf_model, batch, tmp_path):
+@pytest.mark.parametrize("batch,policy", [(1, "lru"), (3, "reuse")])
+def test_live_hybrid_decisions_equal_replay(hf_model, batch, policy, tmp_path):
     """A GPU-node-like profile where moving an expert and computing it on the host cost about the
     same, so the decision is mixed (some moved, some on the host): replaying the recorded trace
     with the same profile makes the same decisions."""
@@ -66,8 +66,9 @@ def test_live_hybrid_decisions_equal_replay(hf_model, batch, tmp_path):
         "expert_compute_us_by_tokens": {"1": link_us / 20, "8": link_us / 10},
         "host_expert_compute_us_by_tokens": {"1": link_us * 1.1, "8": link_us * 3},
         "host_concurrent": True, "reference_expert": {"params": params}}))
-    _, s, snap, tr = _run(store_dir, slots * m.blob_stride, batch=batch, cpu_experts="auto", profile=str(prof))
-    r = replay_batch(tr, ReplayConfig(policy="lru", scope="global", device_capacity=str(slots), cpu_experts="auto",
+    _, s, snap, tr = _run(store_dir, slots * m.blob_stride, batch=batch, cpu_experts="auto", profile=str(prof),
+                          policy=policy)
+    r = replay_batch(tr, ReplayConfig(policy=policy, scope="global", device_capacity=str(slots), cpu_experts="auto",
                                       profile=str(prof)), batch)
     assert r["hits"]["device"] == snap["hits"]["device"], name
     assert r["host_compute"]["experts"] == snap["computed"]["host"], name

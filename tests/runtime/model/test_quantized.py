@@ -416,7 +416,7 @@ def test_a_stores_trace_replays_with_its_real_expert_size(tmp_path):
     build_hf("qwen3_moe", hf)
     convert(hf, str(tmp_path / "q"), quantize="mxfp4")
     m = Manifest.read(str(tmp_path / "q"))
-    model, store = load_model(str(tmp_path / "q"), expert_budget=8 * m.blob_stride)
+    model, store = load_model(str(tmp_path / "q"), expert_budget=8 * m.blob_stride, policy="lru")
     try:
         eng = Engine(model, store, max_batch=2, prefill_chunk=1)
         for p in ([1, 2, 3], [4, 5, 6, 7]):
