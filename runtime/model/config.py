@@ -130,9 +130,20 @@ class MoEConfig:
 
     @property
     def attention_layers(self) -> list:
-        """Layers whose attention caches per token (full / sliding / MLA): they own the paged KV cache."""
+        """Layers with softmax attention (full, sliding-window or MLA)."""
         lin = set(self.linear_layers)
         return [i for i in range(self.num_layers) if i not in lin]
+
+    @property
+    def window_layers(self) -> list:
+        """Sliding-window layers: each sequence keeps only its last sliding_window keys (a ring)."""
+        return sorted(set(self.sliding_layers) - set(self.linear_layers)) if self.sliding_window else []
+
+    @property
+    def paged_layers(self) -> list:
+        """Layers whose cache grows with every token: the paged KV cache's."""
+        win = set(self.window_layers)
+        return [i for i in self.attention_layers if i not in win]
 
     @property
     def expert_in(self) -> int:

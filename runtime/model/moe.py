@@ -167,6 +167,19 @@ class TokenCacheSpec:
 
 
 @dataclass(frozen=True)
+class WindowCacheSpec:
+    """What a sliding-window layer caches per sequence: its last ``window`` keys (and values) in a
+    ring, whatever the context length (vLLM's sliding-window spec, without paging)."""
+    heads: int
+    dim: int
+    window: int
+    with_v: bool = True
+
+    def bytes_per_sequence(self, dtype) -> int:
+        return self.window * TokenCacheSpec(self.heads, self.dim, self.with_v).bytes_per_token(dtype)
+
+
+@dataclass(frozen=True)
 class StateCacheSpec:
     """What a linear-attention layer caches per sequence, whatever its length (vLLM's Mamba spec): the
     recurrent state (float32) and the short convolution's last inputs (activation dtype)."""
@@ -189,7 +202,9 @@ def kv_shape(cfg: MoEConfig) -> tuple:
 def cache_specs(cfg: MoEConfig) -> dict:
     """Layer index -> what it caches per sequence: TokenCacheSpec (grows with every token) or
     StateCacheSpec (fixed). One budget covers both (MoEModel.init_kv)."""
-    out = {i: TokenCacheSpec(*kv_shape(cfg)) for i in cfg.attention_layers}
+    h, d, v = kv_shape(cfg)
+    out = {i: TokenCacheSpec(h, d, v) for i in cfg.paged_layers}
+    out.update({i: WindowCacheSpec(h, d, cfg.sliding_window, v) for i in cfg.window_layers})
     for i in cfg.linear_layers:
         H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
         if cfg.linear_kind == "kda":        # keys and values of one size; q, k, v each convolved
@@ -205,7 +220,8 @@ def kv_bytes_per_token(cfg: MoEConfig, dtype) -> int:
 
 
 def state_bytes_per_sequence(cfg: MoEConfig, dtype) -> int:
-    return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg).values() if isinstance(s, StateCacheSpec))
+    """Fixed bytes per sequence: recurrent states and sliding-window rings."""
+    return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg).values() if not isinstance(s, TokenCacheSpec))
 
 
 class PagedKV:
@@ -213,30 +229,36 @@ class PagedKV:
 
     Per-token layers (full attention, MLA): fixed-size blocks (vLLM's paged layout): k and v are
     [token layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of blocks
-    and its positions map to slots through them. Linear-attention layers: ``state_slots`` fixed
-    per-sequence states ([state layers, slots, ...]); a sequence owns one slot for all of them.
+    and its positions map to slots through them. Linear-attention and sliding-window layers:
+    ``state_slots`` fixed per-sequence caches (recurrent states [state layers, slots, ...]; rings of
+    the last ``window`` keys and values [window layers, slots, window, heads, dim], position p at
+    p % window); a sequence owns one slot for all of them.
     ``ensure`` says whether a sequence can have room for more tokens (a block for each 16 tokens,
     a state slot on its first token), so the scheduler admits requests by free blocks and slots
     and preempts when out. MLA caches one "head" (latent + rotary key) and no v."""
 
     def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
                  with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
-                 state_slots: int = 0) -> None:
+                 state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
-        if state_layers and state_slots < 1:
-            raise ValueError("a model with linear-attention layers needs at least one recurrent-state slot")
+        if (state_layers or window_layers) and state_slots < 1:
+            raise ValueError("a model with linear-attention or sliding-window layers needs at least one sequence slot")
         self.block_size, self.num_blocks, self.with_v = block_size, num_blocks, with_v
         T = num_blocks * block_size
         self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
         self.v = torch.zeros_like(self.k) if with_v else None
         self.free: list = list(range(num_blocks - 1, -1, -1))
         self.device = device
-        self.state_slots = state_slots if state_layers else 0
-        self.rec = self.conv = None
-        if self.state_slots:          # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
+        self.state_slots = state_slots if (state_layers or window_layers) else 0
+        self.rec = self.conv = self.win_k = self.win_v = None
+        if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
             self.rec = torch.zeros(state_layers, state_slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
             self.conv = torch.zeros(state_layers, state_slots, *state.conv, dtype=dtype, device=device)
+        if window_layers:             # win_k: [window layers, slots, window, heads, dim]
+            self.win_k = torch.zeros(window_layers, state_slots, window.window, window.heads, window.dim, dtype=dtype,
+                                     device=device)
+            self.win_v = torch.zeros_like(self.win_k) if window.with_v else None
         self.free_state: list = list(range(self.state_slots - 1, -1, -1))
 
     @staticmethod
@@ -246,8 +268,9 @@ class PagedKV:
     @property
     def nbytes(self) -> int:
         n = self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
-        if self.state_slots:
-            n += self.rec.numel() * self.rec.element_size() + self.conv.numel() * self.conv.element_size()
+        for t in (self.rec, self.conv, self.win_k, self.win_v):
+            if t is not None:
+                n += t.numel() * t.element_size()
         return n
 
     @property
@@ -293,7 +316,6 @@ class MoEModel:
                  kv_bytes: "int | None" = None) -> None:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.cache_bonus = 0.0   # cache-aware routing: added to resident experts' router logits
-        self.sliding = set(cfg.sliding_layers) if cfg.sliding_window else set()
         if cfg.norm_offset:   # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight): folded in once here
             for k in list(dense):
                 if k.endswith(("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")) or k == "model.norm.weight":
@@ -326,8 +348,10 @@ class MoEModel:
         self._qk_w: dict = {}     # layer -> joint q/k norm weight (see _qk_norm_w)
         self.kv = None            # PagedKV, made by init_kv (the engine sizes it; else on first use)
         self.kv_bytes = kv_bytes
-        # Per-token layers index the paged KV cache, linear-attention layers the state arena.
-        self.kv_layer = {layer: j for j, layer in enumerate(cfg.attention_layers)}
+        # Per-token layers index the paged KV cache, linear-attention layers the state arena,
+        # sliding-window layers the rings.
+        self.kv_layer = {layer: j for j, layer in enumerate(cfg.paged_layers)}
+        self.win_layer = {layer: j for j, layer in enumerate(cfg.window_layers)}
         self.state_layer = {layer: j for j, layer in enumerate(cfg.linear_layers)}
         self.linear: dict = {}    # layer -> KimiDeltaAttention / GatedDeltaNet
         if cfg.linear_layers:
@@ -393,7 +417,10 @@ class MoEModel:
         per_tok, per_seq = self.kv_bytes_per_token(), self.state_bytes_per_sequence()
         seqs = (max_seqs or 16) if per_seq else 0
         nbytes = nbytes or self.kv_bytes or 16 * (min(self.cfg.max_position_embeddings, 4096) * per_tok + per_seq)
-        blocks = int((nbytes - seqs * per_seq) // max(1, per_tok * block_size))
+        if per_tok:
+            blocks = int((nbytes - seqs * per_seq) // (per_tok * block_size))
+        else:   # no layer caches per token (every one sliding or linear): blocks only number positions
+            blocks = seqs * -(-self.cfg.max_position_embeddings // block_size) if nbytes >= seqs * per_seq else 0
         if blocks < 1:
             need = seqs * per_seq + per_tok * block_size
             raise ValueError(f"KV cache budget {nbytes:,} bytes is smaller than "
@@ -402,9 +429,11 @@ class MoEModel:
                              f"{need:,} bytes")
         h, d, v = self.kv_shape()
         specs = [s for s in self.cache_specs().values() if isinstance(s, StateCacheSpec)]
-        self.kv = PagedKV(len(self.cfg.attention_layers), h, d, self.dtype, self.device, num_blocks=blocks,
+        wins = [s for s in self.cache_specs().values() if isinstance(s, WindowCacheSpec)]
+        self.kv = PagedKV(len(self.cfg.paged_layers), h, d, self.dtype, self.device, num_blocks=blocks,
                           block_size=block_size, with_v=v, state=specs[0] if specs else None,
-                          state_layers=len(specs), state_slots=seqs)
+                          state_layers=len(specs), state_slots=seqs, window=wins[0] if wins else None,
+                          window_layers=len(wins))
         return self.kv
 
     def release(self, seq: Sequence) -> None:
@@ -538,6 +567,9 @@ class MoEModel:
             qk = qkv[:, :nq * hd].view(-1, nq, hd)                      # qk: [tokens, heads + kv, hd]
             if cfg.qk_norm == "head":
                 qk = rms_norm(qk, self._qk_norm_w(i), cfg.rms_norm_eps)
+        if i in self.win_layer:
+            out = self._window_attention(i, qk, v, seqs, spans)
+            return self._o_proj(i, self._gate(out, qkv, nq + nkv))
         j = self.kv_layer[i]
         K, V = self.kv.k[j], self.kv.v[j]                                # [token slots, kv, hd]
         if all(b - a == 1 for a, b in spans):
@@ -562,11 +594,49 @@ class MoEModel:
             kk, vv = K[r_idx].transpose(0, 1), V[r_idx].transpose(0, 1)  # [kv, ctx, hd]
             qpos = torch.arange(n_new, device=x.device)[:, None] + p0
             causal = torch.arange(ctx, device=x.device)[None, :] <= qpos
-            if i in self.sliding:
-                causal &= torch.arange(ctx, device=x.device)[None, :] > qpos - cfg.sliding_window
             o = self._sdpa(i, qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)
         return self._o_proj(i, self._gate(out.reshape(-1, nh * hd), qkv, nq + nkv))
+
+    def _window_attention(self, i: int, qk: torch.Tensor, v: torch.Tensor, seqs: list, spans: list) -> torch.Tensor:
+        """A sliding-window layer: each sequence's slot holds a ring of its last W keys and values
+        (position p at p % W), so the layer's cache never grows. qk: [tokens, heads + kv, hd] before
+        RoPE; v: [tokens, kv, hd]. Returns the attention output [tokens, heads * hd]."""
+        cfg = self.cfg
+        nh, hd, W = cfg.num_heads, cfg.head_dim, cfg.sliding_window
+        j = self.win_layer[i]
+        RK, RV = self.kv.win_k[j], self.kv.win_v[j]                      # [slots, W, kv, hd]
+        ring = torch.arange(W, device=qk.device)
+        if all(b - a == 1 for a, b in spans):
+            B = len(seqs)
+            pos = self._ctx["decode"][0]                                 # pos: [B]
+            slots = self._ctx["state"]
+            cos, sin = self._ctx["rope_heads"]
+            qk = self._rotate(qk, cos, sin)
+            at = pos % W
+            RK[slots, at] = qk[:, nh:]
+            RV[slots, at] = v
+            held = pos[:, None] - (pos[:, None] - ring[None, :]) % W     # position in each ring entry: [B, W]
+            mask = (held >= 0)[:, None, None, :]                         # the rest is stale: [B, 1, 1, W]
+            kk, vv = RK[slots].transpose(1, 2), RV[slots].transpose(1, 2)  # [B, kv, W, hd]
+            return self._sdpa(i, qk[:, :nh, None], kk, vv, mask).reshape(B, nh * hd)
+        out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=qk.device)
+        for s, (a, b), (cos, sin) in zip(seqs, spans, self._ctx["rope_prefill"]):
+            p0, n = s.length, b - a
+            qks = self._rotate(qk[a:b], cos, sin)                        # qks: [n, heads + kv, hd]
+            held = (p0 - 1) - (p0 - 1 - ring) % W                        # the ring's positions before this chunk
+            new = torch.arange(p0, p0 + n, device=qk.device)
+            kpos = torch.cat([held, new])                                # kpos: [W + n]
+            kk = torch.cat([RK[s.state], qks[:, nh:]]).transpose(0, 1)   # [kv, W + n, hd]
+            vv = torch.cat([RV[s.state], v[a:b]]).transpose(0, 1)
+            q = new[:, None]
+            mask = (kpos[None, :] <= q) & (kpos[None, :] > q - W) & (kpos[None, :] >= 0)   # [n, W + n]
+            o = self._sdpa(i, qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], mask)
+            out[a:b] = o[0].transpose(0, 1)
+            m = min(n, W)                                                # the last W tokens stay in the ring
+            RK[s.state, (new[n - m:] % W)] = qks[n - m:, nh:]
+            RV[s.state, (new[n - m:] % W)] = v[b - m:b]
+        return out.reshape(-1, nh * hd)
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on q and k heads (cos and the signed sin broadcast over heads); with a rotary dim
@@ -788,18 +858,14 @@ class MoEModel:
         return ctx
 
     def _decode_mask(self, i: int) -> torch.Tensor:
-        """Keys each decoding sequence attends to in layer i: [B, 1, 1, n] bool, made once per
-        forward for full attention and once for sliding-window layers."""
-        sliding = i in self.sliding
+        """Keys each decoding sequence attends to in a paged layer: [B, 1, 1, n] bool, made once
+        per forward (sliding-window layers keep rings: _window_attention)."""
         masks = self._ctx["masks"]
-        mask = masks.get(sliding)
+        mask = masks.get("full")
         if mask is None:
             pos, _, r_idx = self._ctx["decode"]
             keys = torch.arange(r_idx.shape[1], device=pos.device)[None, :]
-            mask = keys <= pos[:, None]                                  # mask: [B, n]
-            if sliding:
-                mask &= keys > pos[:, None] - self.cfg.sliding_window
-            mask = masks[sliding] = mask[:, None, None, :]
+            mask = masks["full"] = (keys <= pos[:, None])[:, None, None, :]   # mask: [B, 1, 1, n]
         return mask
 
     def _qk_norm_w(self, i: int) -> torch.Tensor:

@@ -253,3 +253,33 @@ def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path):
     check_against_transformers(ref, store, 1.0, "qwen3_5_moe")
     with pytest.raises(ValueError, match="qwen3_5_moe config.json has no text_config"):
         MoEConfig.from_dict({"model_type": "qwen3_5_moe"}, source="c.json")
+
+
+@pytest.mark.parametrize("arch", ["mixtral_swa", "gpt_oss"])
+def test_sliding_window_layers_keep_a_ring_of_the_window(arch, tmp_path):
+    """Sliding-window layers cache only their last W keys per sequence (a ring in the sequence's
+    slot), full-attention layers stay paged. A prefill chunk longer than the ring, then decode past
+    several wraps, gives transformers' logits at every position."""
+    ref = build_hf(arch, str(tmp_path / "hf"))
+    convert(str(tmp_path / "hf"), str(tmp_path / "store"))
+    model, store = load_model(str(tmp_path / "store"))
+    try:
+        cfg = model.cfg
+        W = cfg.sliding_window
+        specs = model.cache_specs()
+        from runtime.model.moe import WindowCacheSpec
+        assert {i for i, s in specs.items() if isinstance(s, WindowCacheSpec)} == set(cfg.sliding_layers)
+        assert all(s.window == W for s in specs.values() if isinstance(s, WindowCacheSpec))
+        per_tok = model.kv_bytes_per_token()
+        assert per_tok == len(cfg.paged_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+        prompt = torch.randint(0, 96, (1, 3 * W + 4), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            want = ref(prompt).logits[0]
+        s = Sequence()
+        first = 2 * W + 1                                                # longer than the ring
+        got = [(first - 1, model.forward([s], [prompt[0, :first].tolist()])[0])]
+        got += [(p, model.forward([s], [[int(prompt[0, p])]])[0]) for p in range(first, prompt.shape[1])]
+        for p, logits in got:
+            assert (logits - want[p]).abs().max().item() < 1e-4, p
+    finally:
+        store.close()
