@@ -24,6 +24,8 @@ def test_gpu_check_dry_run_covers_every_step(tmp_path):
     h = R["hybrid"]
     assert h["transfer_only_ms"] > 0 and h["hybrid_ms"] > 0 and h["resident_ms"] > 0
     assert h["host_expert_us_measured"] > 0 and h["host_expert_us_predicted"] > 0
+    ha = R["hybrid_attention"]
+    assert ha["tokens_equal"] and ha["max_logit_diff"] == 0.0 and ha["goal_met"]   # CPU against CPU: identical
     # without --dry-run and without CUDA it refuses with a clear message
     if not __import__("torch").cuda.is_available():
         q = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py")], cwd=ROOT, env=env,
