@@ -63,7 +63,8 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
         if expert_budget < need:
             what = f"KV cache ({kv_cache_bytes:,} bytes)"
             if state > kv_cache_bytes:
-                what = f"the linear-attention state of --max-batch {max_batch} sequences ({state:,} bytes)"
+                what = (f"the fixed per-sequence caches (recurrent state, sliding-window rings) of --max-batch "
+                        f"{max_batch} sequences ({state:,} bytes)")
             raise ValueError(f"device budget {device_budget:,} bytes cannot hold the dense weights ({dense_bytes:,} bytes) "
                              f"+ {what} + one layer's top-{cfg.top_k} experts ({need:,} bytes): "
                              f"the minimum is {dense_bytes + cache + need:,} bytes")

@@ -124,7 +124,8 @@ def test_device_budget_minimum_counts_the_state_of_max_batch_sequences(kimi):
     finally:
         store.close()
     need = dense + 8 * per_seq + experts
-    with pytest.raises(ValueError, match=rf"linear-attention state of --max-batch 8 sequences \({8 * per_seq:,} bytes\).*"
+    with pytest.raises(ValueError, match=rf"the fixed per-sequence caches \(recurrent state, sliding-window rings\) of "
+                                         rf"--max-batch 8 sequences \({8 * per_seq:,} bytes\).*"
                                          rf"the minimum is {need:,} bytes"):
         load_model(store_dir, device_budget=need - 1, max_batch=8)
     _, st = load_model(store_dir, device_budget=need, max_batch=8)
