@@ -606,7 +606,6 @@ class MoEModel:
         nh, hd, W = cfg.num_heads, cfg.head_dim, cfg.sliding_window
         j = self.win_layer[i]
         RK, RV = self.kv.win_k[j], self.kv.win_v[j]                      # [slots, W, kv, hd]
-        ring = torch.arange(W, device=qk.device)
         if all(b - a == 1 for a, b in spans):
             B = len(seqs)
             pos = self._ctx["decode"][0]                                 # pos: [B]
@@ -616,14 +615,14 @@ class MoEModel:
             at = pos % W
             RK[slots, at] = qk[:, nh:]
             RV[slots, at] = v
-            held = pos[:, None] - (pos[:, None] - ring[None, :]) % W     # position in each ring entry: [B, W]
-            mask = (held >= 0)[:, None, None, :]                         # the rest is stale: [B, 1, 1, W]
+            mask = self._ring_mask()                                     # mask: [B, 1, 1, W]
             kk, vv = RK[slots].transpose(1, 2), RV[slots].transpose(1, 2)  # [B, kv, W, hd]
             return self._sdpa(i, qk[:, :nh, None], kk, vv, mask).reshape(B, nh * hd)
         out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=qk.device)
         for s, (a, b), (cos, sin) in zip(seqs, spans, self._ctx["rope_prefill"]):
             p0, n = s.length, b - a
             qks = self._rotate(qk[a:b], cos, sin)                        # qks: [n, heads + kv, hd]
+            ring = torch.arange(W, device=qk.device)
             held = (p0 - 1) - (p0 - 1 - ring) % W                        # the ring's positions before this chunk
             new = torch.arange(p0, p0 + n, device=qk.device)
             kpos = torch.cat([held, new])                                # kpos: [W + n]
@@ -637,6 +636,19 @@ class MoEModel:
             RK[s.state, (new[n - m:] % W)] = qks[n - m:, nh:]
             RV[s.state, (new[n - m:] % W)] = v[b - m:b]
         return out.reshape(-1, nh * hd)
+
+    def _ring_mask(self) -> torch.Tensor:
+        """Ring entries each decoding sequence may attend to: those holding a position >= 0 (the rest
+        is stale from an earlier occupant of the slot). The same for every window layer of the step:
+        made once per forward. [B, 1, 1, W] bool."""
+        masks = self._ctx["masks"]
+        mask = masks.get("ring")
+        if mask is None:
+            pos, W = self._ctx["decode"][0], self.cfg.sliding_window
+            ring = torch.arange(W, device=pos.device)
+            held = pos[:, None] - (pos[:, None] - ring[None, :]) % W     # position in each ring entry: [B, W]
+            mask = masks["ring"] = (held >= 0)[:, None, None, :]
+        return mask
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on q and k heads (cos and the signed sin broadcast over heads); with a rotary dim

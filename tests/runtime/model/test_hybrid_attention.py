@@ -162,6 +162,19 @@ def test_state_slots_limit_admission_and_are_reset(kimi):
         store.close()
 
 
+def check_step_against_call(layer, prefills):
+    """Sequences after prefills of the given lengths, then one decode token each: the batched
+    ``step`` against ``__call__`` on each sequence alone. Returns (x, new recurrent, new conv)."""
+    states = [layer(torch.randn(n, 32))[1] for n in prefills]
+    x = torch.randn(len(prefills), 32)
+    y, rec, conv = layer.step(x, torch.stack([s.recurrent for s in states]), torch.stack([s.conv for s in states]))
+    for b, s in enumerate(states):
+        yb, sb = layer(x[b:b + 1], s, mode="recurrent")
+        assert torch.allclose(y[b], yb[0], atol=1e-5)
+        assert torch.allclose(rec[b], sb.recurrent, atol=1e-5) and torch.allclose(conv[b], sb.conv, atol=1e-6)
+    return x, rec, conv
+
+
 def test_batched_step_equals_each_sequence_alone():
     """KimiDeltaAttention.step (decode, B sequences with their own states) against __call__ per sequence."""
     torch.manual_seed(0)
@@ -173,13 +186,7 @@ def test_batched_step_equals_each_sequence_alone():
               "b_proj.weight": (2, 32), "g_a_proj.weight": (8, 32), "g_b_proj.weight": (HK, 8), "o_norm.weight": (8,),
               "o_proj.weight": (32, HK)}
     layer = KimiDeltaAttention(cfg, {k: torch.randn(s) * 0.5 for k, s in shapes.items()})
-    states = [layer(torch.randn(n, 32))[1] for n in (3, 7, 1)]          # three sequences after different prefills
-    x = torch.randn(3, 32)
-    y, rec, conv = layer.step(x, torch.stack([s.recurrent for s in states]), torch.stack([s.conv for s in states]))
-    for b, s in enumerate(states):
-        yb, sb = layer(x[b:b + 1], s, mode="recurrent")
-        assert torch.allclose(y[b], yb[0], atol=1e-5)
-        assert torch.allclose(rec[b], sb.recurrent, atol=1e-5) and torch.allclose(conv[b], sb.conv, atol=1e-6)
+    _, rec, _ = check_step_against_call(layer, (3, 7, 1))              # three sequences after different prefills
     assert torch.isfinite(rec).all() and rec.abs().max() > 0
 
 
@@ -191,13 +198,7 @@ def test_gated_deltanet_batched_step_equals_each_sequence_alone():
               "in_proj_a.weight": (4, 32), "conv1d.weight": (conv, 1, 4), "dt_bias": (4,), "A_log": (4,),
               "norm.weight": (6,), "out_proj.weight": (32, 24)}
     layer = GatedDeltaNet(cfg, {k: torch.randn(s) * 0.5 for k, s in shapes.items()})
-    states = [layer(torch.randn(n, 32))[1] for n in (2, 9)]
-    x = torch.randn(2, 32)
-    y, rec, cv = layer.step(x, torch.stack([s.recurrent for s in states]), torch.stack([s.conv for s in states]))
-    for b, s in enumerate(states):
-        yb, sb = layer(x[b:b + 1], s, mode="recurrent")
-        assert torch.allclose(y[b], yb[0], atol=1e-5)
-        assert torch.allclose(rec[b], sb.recurrent, atol=1e-5) and torch.allclose(cv[b], sb.conv, atol=1e-6)
+    x, rec, cv = check_step_against_call(layer, (2, 9))
     with pytest.raises(ValueError, match=r"decode states must be \[2, 4, 8, 6\]"):
         layer.step(x, rec[:, :, :, :5], cv)
 
