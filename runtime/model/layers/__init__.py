@@ -1,0 +1,1 @@
+"""The layers a model is built from: norms, RoPE, routers, caches, attention, MoE blocks."""

@@ -1,0 +1,187 @@
+"""Per-layer cache specs and the one preallocated cache they share (vLLM's KV cache specs)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import MoEConfig
+from ..linear_attention import RECURRENT_DTYPE
+
+
+@dataclass
+class Sequence:
+    """One sequence: tokens fed so far and the KV blocks it owns (none until it runs)."""
+
+    length: int = 0
+    blocks: list = field(default_factory=list)
+    slot_ids: "torch.Tensor | None" = None     # token slot of each position its blocks cover
+    state: "int | None" = None                 # its slot of the recurrent-state arena (linear-attention layers)
+
+    @property
+    def slot(self):            # "holds KV" (kept for callers that asked for a slot)
+        return self.blocks or None
+
+
+class KVFull(RuntimeError):
+    """The KV cache has no free block for a sequence (the engine preempts or refuses first)."""
+
+
+@dataclass(frozen=True)
+class TokenCacheSpec:
+    """What a per-token attention layer caches (vLLM's attention KV cache spec): ``heads`` x ``dim``
+    per token for k (and v), full attention and MLA alike (MLA: one "head" of latent + rotary key,
+    no v)."""
+    heads: int
+    dim: int
+    with_v: bool = True
+
+    def bytes_per_token(self, dtype) -> int:
+        return self.heads * self.dim * torch.tensor([], dtype=dtype).element_size() * (2 if self.with_v else 1)
+
+
+@dataclass(frozen=True)
+class WindowCacheSpec:
+    """What a sliding-window layer caches per sequence: its last ``window`` keys (and values) in a
+    ring, whatever the context length (vLLM's sliding-window spec, without paging)."""
+    heads: int
+    dim: int
+    window: int
+    with_v: bool = True
+
+    def bytes_per_sequence(self, dtype) -> int:
+        return self.window * TokenCacheSpec(self.heads, self.dim, self.with_v).bytes_per_token(dtype)
+
+
+@dataclass(frozen=True)
+class StateCacheSpec:
+    """What a linear-attention layer caches per sequence, whatever its length (vLLM's Mamba spec): the
+    recurrent state (float32) and the short convolution's last inputs (activation dtype)."""
+    recurrent: tuple           # [H, K, V]
+    conv: tuple                # [C, kernel - 1]
+
+    def bytes_per_sequence(self, dtype) -> int:
+        return (math.prod(self.recurrent) * RECURRENT_DTYPE.itemsize
+                + math.prod(self.conv) * torch.tensor([], dtype=dtype).element_size())
+
+
+def kv_shape(cfg: MoEConfig) -> tuple:
+    """(heads, dim, with_v) of one token of one per-token layer's cache. MLA caches the compressed
+    latent (kv_lora_rank) and the shared rotary key per token."""
+    if cfg.attention == "mla":
+        return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
+    return cfg.num_kv_heads, cfg.head_dim, True
+
+
+def cache_specs(cfg: MoEConfig) -> dict:
+    """Layer index -> what it caches per sequence: TokenCacheSpec (grows with every token) or
+    StateCacheSpec (fixed). One budget covers both (MoEModel.init_kv)."""
+    h, d, v = kv_shape(cfg)
+    out = {i: TokenCacheSpec(h, d, v) for i in cfg.paged_layers}
+    out.update({i: WindowCacheSpec(h, d, cfg.sliding_window, v) for i in cfg.window_layers})
+    for i in cfg.linear_layers:
+        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
+        if cfg.linear_kind == "kda":        # keys and values of one size; q, k, v each convolved
+            out[i] = StateCacheSpec(recurrent=(H, K, K), conv=(3 * H * K, W - 1))
+        else:                               # Gated DeltaNet: a [Dk, Dv] memory per value head
+            Hv, V = cfg.linear_num_v_heads, cfg.linear_value_head_dim
+            out[i] = StateCacheSpec(recurrent=(Hv, K, V), conv=(2 * H * K + Hv * V, W - 1))
+    return dict(sorted(out.items()))
+
+
+def kv_bytes_per_token(cfg: MoEConfig, dtype) -> int:
+    return sum(s.bytes_per_token(dtype) for s in cache_specs(cfg).values() if isinstance(s, TokenCacheSpec))
+
+
+def state_bytes_per_sequence(cfg: MoEConfig, dtype) -> int:
+    """Fixed bytes per sequence: recurrent states and sliding-window rings."""
+    return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg).values() if not isinstance(s, TokenCacheSpec))
+
+
+class PagedKV:
+    """Every layer's sequence cache, preallocated from one byte budget and never grown.
+
+    Per-token layers (full attention, MLA): fixed-size blocks (vLLM's paged layout): k and v are
+    [token layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of blocks
+    and its positions map to slots through them. Linear-attention and sliding-window layers:
+    ``state_slots`` fixed per-sequence caches (recurrent states [state layers, slots, ...]; rings of
+    the last ``window`` keys and values [window layers, slots, window, heads, dim], position p at
+    p % window); a sequence owns one slot for all of them.
+    ``ensure`` says whether a sequence can have room for more tokens (a block for each 16 tokens,
+    a state slot on its first token), so the scheduler admits requests by free blocks and slots
+    and preempts when out. MLA caches one "head" (latent + rotary key) and no v."""
+
+    def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
+                 with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
+                 state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
+        if (state_layers or window_layers) and state_slots < 1:
+            raise ValueError("a model with linear-attention or sliding-window layers needs at least one sequence slot")
+        self.block_size, self.num_blocks, self.with_v = block_size, num_blocks, with_v
+        T = num_blocks * block_size
+        self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
+        self.v = torch.zeros_like(self.k) if with_v else None
+        self.free: list = list(range(num_blocks - 1, -1, -1))
+        self.device = device
+        self.state_slots = state_slots if (state_layers or window_layers) else 0
+        self.rec = self.conv = self.win_k = self.win_v = None
+        if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
+            self.rec = torch.zeros(state_layers, state_slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
+            self.conv = torch.zeros(state_layers, state_slots, *state.conv, dtype=dtype, device=device)
+        if window_layers:             # win_k: [window layers, slots, window, heads, dim]
+            self.win_k = torch.zeros(window_layers, state_slots, window.window, window.heads, window.dim, dtype=dtype,
+                                     device=device)
+            self.win_v = torch.zeros_like(self.win_k) if window.with_v else None
+        self.free_state: list = list(range(self.state_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(layers: int, heads: int, dim: int, dtype, with_v: bool = True) -> int:
+        return layers * heads * dim * torch.tensor([], dtype=dtype).element_size() * (2 if with_v else 1)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
+        for t in (self.rec, self.conv, self.win_k, self.win_v):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def free_sequences(self) -> "int | None":
+        """Sequences that can still get a state slot; None when the model keeps no per-sequence state."""
+        return len(self.free_state) if self.state_slots else None
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def ensure(self, seq: Sequence, tokens: int) -> bool:
+        """Give ``seq`` blocks for ``tokens`` positions; False (and nothing taken) if too few are free."""
+        need = self.blocks_for(tokens) - len(seq.blocks)
+        if self.state_slots and seq.state is None:
+            if not self.free_state or need > len(self.free):
+                return False
+            seq.state = self.free_state.pop()    # stale contents: its first chunk starts from zeros (MoEModel._linear_attention)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        new = [self.free.pop() for _ in range(need)]
+        seq.blocks.extend(new)
+        bs = self.block_size
+        ids = (torch.tensor(new, dtype=torch.long)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(self.device)
+        seq.slot_ids = ids if seq.slot_ids is None else torch.cat([seq.slot_ids, ids])
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.free.extend(reversed(seq.blocks))
+        seq.blocks, seq.slot_ids = [], None
+        if seq.state is not None:
+            self.free_state.append(seq.state)
+            seq.state = None
+

@@ -1,0 +1,79 @@
+"""Rotary position embeddings: default RoPE, YaRN, DeepSeek's interleaved layout, MLA's softmax scale."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import MoEConfig
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rotate_half_roll(x: torch.Tensor) -> torch.Tensor:
+    """rotate_half without the negation: (b, a). Times sin with its first half negated
+    (``signed_sin``) it is rotate_half(x) * sin, bit for bit (-b * s == b * -s), in one op, not three."""
+    return torch.roll(x, x.shape[-1] // 2, dims=-1)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    a, b = sin.chunk(2, dim=-1)
+    return torch.cat((-a, b), dim=-1)
+
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg: MoEConfig):
+    """Inverse frequencies over head_dim and the factor on cos/sin: default RoPE, or YaRN
+    (interpolate low frequencies by `factor`, keep high ones, a linear ramp between)."""
+    dim, base = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    y = cfg.rope_scaling
+    if not y:
+        return 1.0 / pos_freqs, 1.0
+    factor = y.get("factor") or cfg.max_position_embeddings / y["original_max_position_embeddings"]
+    att = y.get("attention_factor")
+    if att is None:
+        m, m_all = y.get("mscale"), y.get("mscale_all_dim")
+        att = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if (m and m_all) else _yarn_mscale(factor)
+    beta_fast, beta_slow = y.get("beta_fast") or 32, y.get("beta_slow") or 1
+    orig = y["original_max_position_embeddings"]
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if y.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extra = 1 - ramp                                   # 1: keep the original frequency
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(att)
+
+
+def mla_softmax_scale(cfg: MoEConfig) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek applies it."""
+    s = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    y = cfg.rope_scaling
+    if y and y.get("mscale_all_dim"):
+        factor = y.get("factor") or cfg.max_position_embeddings / y["original_max_position_embeddings"]
+        s *= _yarn_mscale(factor, y["mscale_all_dim"]) ** 2
+    return s
+
+
+def _rotate(t, cos, sin):
+    return t * cos + rotate_half(t) * sin
+
+
+def _no_rotation(t, cos, sin):
+    return t
+
