@@ -140,16 +140,17 @@ class TransitionPrefetcher(Prefetcher):
 
 
 class GateLookaheadPrefetcher(Prefetcher):
-    """Applies layer l+1's router to layer l's output hidden state (the live model supplies
-    ``gate_fn(target_layer, hidden) -> scores [tokens, E]`` and calls ``set_hidden``)."""
+    """Applies layer l+1's router to layer l's hidden state: the live model supplies
+    ``gate_fn(target_layer, hidden) -> expert ids [tokens, k]`` (its ``route_preview``, the router
+    code its forward runs) and the caller ``set_hidden``. Experts ranked by how many tokens chose them."""
 
     name = "lookahead"
 
-    def __init__(self, gate_fn) -> None:
+    def __init__(self, gate_fn, num_experts: int = 0) -> None:
         if gate_fn is None:
             raise ValueError("prefetch 'lookahead' needs hidden states from a running model "
                              "(tiered-moe generate / regimes --model); replay has none: use freq, transition or oracle")
-        self.gate_fn = gate_fn
+        self.gate_fn, self.E = gate_fn, num_experts
         self.hidden = None
 
     def set_hidden(self, hidden) -> None:
@@ -158,11 +159,8 @@ class GateLookaheadPrefetcher(Prefetcher):
     def predict(self, target_layer, experts, budget):
         if self.hidden is None:
             return []
-        scores = np.asarray(self.gate_fn(target_layer, self.hidden), dtype=np.float64)  # scores: [tokens, E]
-        if scores.ndim == 1:
-            scores = scores[None, :]
-        # The union over tokens of each token's top choices, ranked by best score.
-        return _top(scores.max(0) - scores.min() + 1e-9, budget)
+        ids = np.asarray(self.gate_fn(target_layer, self.hidden)).reshape(-1)   # ids: [tokens * k]
+        return _top(np.bincount(ids, minlength=self.E).astype(np.float64), budget)
 
 
 class OraclePrefetcher(Prefetcher):
@@ -275,5 +273,61 @@ def make_prefetcher(name: str, *, num_layers: int, num_experts: int, fit_trace=N
         p = TransitionPrefetcher(num_layers, num_experts)
         return p.fit(fit_trace) if fit_trace is not None else p
     if name == "lookahead":
-        return GateLookaheadPrefetcher(gate_fn)
+        return GateLookaheadPrefetcher(gate_fn, num_experts)
     return OraclePrefetcher()
+
+
+class PrefetchController:
+    """The one prefetch loop of replay and the live engine: after each MoE layer, predict the next
+    layer's experts (any prefetcher, ``lookahead`` on the live model's own router), keep the ones
+    the cost rule (``PrefetchGate``) says pay, and learn from what the next layer really needed.
+    It decides; the caller (placement in replay, the store live) moves.
+
+    ``observe(layer, experts, weights, t)``: what a layer needed; ``predict(target, experts, hidden)``:
+    a ranked list for ``target``; ``select(ranked, idle_link_s, resident, evict_p)``: what to move
+    now; ``learn(ranked, needed)``: the outcome, for the precision / recall counts (``predicted``,
+    ``correct``, ``needed``) and, with ``calibrate``, the gate's calibration."""
+
+    def __init__(self, name: str, *, num_layers: int, num_experts: int, budget: int, rule: str = "cost",
+                 link_s: "float | None" = None, saving_s: "float | None" = None, fit_trace=None,
+                 model_path: "str | None" = None, preview=None, ema: float = 0.05) -> None:
+        self.name, self.budget = name, budget
+        self.pf = make_prefetcher(name, num_layers=num_layers, num_experts=num_experts, fit_trace=fit_trace,
+                                  model_path=model_path, gate_fn=preview, ema=ema)
+        self.gate = PrefetchGate(budget, link_s, saving_s) if (self.pf is not None and rule == "cost") else None
+        self.predicted = self.correct = self.needed = 0
+
+    @property
+    def active(self) -> bool:
+        return self.pf is not None
+
+    def observe(self, layer: int, experts, weights, t: int) -> None:
+        self.pf.observe(layer, experts, weights, t)
+
+    def predict(self, target: int, experts, hidden=None) -> list:
+        if hidden is not None and isinstance(self.pf, GateLookaheadPrefetcher):
+            self.pf.set_hidden(hidden)
+        ranked = self.pf.predict(target, experts, max(self.budget, 1))
+        self.predicted += len(ranked)
+        return ranked
+
+    def select(self, ranked: list, idle_link_s: float, resident, evict_p: float) -> list:
+        if self.gate is None:
+            return ranked
+        return self.gate.select(ranked, idle_link_s, resident, evict_p)
+
+    def learn(self, ranked: list, needed, calibrate: bool = True) -> None:
+        need = needed if isinstance(needed, (set, frozenset)) else set(needed)
+        self.correct += sum(1 for x in ranked if x in need)
+        self.needed += len(need)
+        if calibrate:
+            self.calibrate(ranked, need)
+
+    def calibrate(self, ranked: list, needed: set) -> None:
+        """The gate learns how often each rank was needed (after its decision)."""
+        if self.gate is not None:
+            self.gate.observe(ranked, needed)
+
+    def precision_recall(self) -> dict:
+        return {"precision": self.correct / self.predicted if self.predicted else None,
+                "recall": self.correct / self.needed if self.needed else None}

@@ -15,7 +15,7 @@ from . import cost_model as cm
 from .keys import SCOPES, Capacity, CpuExperts
 from .placement import TieredPlacement
 from .policies import LFU, LRU, Belady, Freq, NoCache, Reuse, ReuseStats, Static, check_policy_name
-from .prefetch import OraclePrefetcher, PrefetchGate, make_prefetcher
+from .prefetch import OraclePrefetcher, PrefetchController, make_prefetcher
 from .traces import Groups, Trace, build_groups, continuous_batches
 
 
@@ -189,20 +189,19 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                             host_slots=host_slots, policy_factory=factory, host_policy_factory=host_factory,
                             hybrid=cost if cfg._cpu.auto else None, cpu_layers=cfg._cpu.layers)
     warm = place.warm_start()
-    pf = make_prefetcher(cfg.prefetch, num_layers=L, num_experts=E,
-                         fit_trace=cfg.fit_trace if cfg.prefetch == "transition" else None,
-                         model_path=cfg.transition_model)
     budget = cfg.prefetch_budget or k
-    gate = None
-    if pf is not None and cfg.prefetch_rule == "cost":
-        gate = PrefetchGate(budget, cost.t_link, cost.prefetch_saving(cfg._cpu.auto))
+    # The controller the live engine runs too (cache_policy.prefetch.PrefetchController).
+    ctl = PrefetchController(cfg.prefetch, num_layers=L, num_experts=E, budget=budget, rule=cfg.prefetch_rule,
+                             link_s=cost.t_link, saving_s=cost.prefetch_saving(cfg._cpu.auto),
+                             fit_trace=cfg.fit_trace if cfg.prefetch == "transition" else None,
+                             model_path=cfg.transition_model)
+    pf, gate = ctl.pf, ctl.gate
     wants = factory().wants if cfg.policy != "belady" else "next_use"
     aux_all = groups.weights() if wants == "weights" else (groups.next_use() if wants == "next_use" else None)
     weights_all = groups.weights() if pf is not None else None
     rec = array("q")              # flat, per group: device hits, host hits, disk loads, waves, prefetch used, host computed
     pref = np.zeros((G + 1, 2), dtype=np.int64)   # prefetch loads landing for group g: (from host, from disk)
     host_sec = np.zeros((G + 1, 2))               # per group: host compute s, device compute s it replaced
-    pred = [0, 0, 0]              # predicted & needed, predicted, needed
     ptr = groups.ptr.tolist()
     CH = 1 << 16
     simple = pf is None and place.host is None and cfg.policy != "none" and not cfg._cpu.enabled
@@ -216,11 +215,11 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
         else:
             wts = weights_all[pa:pb].tolist() if weights_all is not None else None
             cnts = groups.count[pa:pb].tolist()
-            _general(place, pf, gate, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget,
-                     rec, pref, pred, host_sec)
+            _general(place, ctl, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget,
+                     rec, pref, host_sec)
         if progress is not None:
             progress(c1, G)
-    pred_hit, pred_n, pred_need = pred
+    pred_hit, pred_n, pred_need = ctl.correct, ctl.predicted, ctl.needed
     wall = time.perf_counter() - t_start
 
     R = np.frombuffer(rec, dtype=np.int64).reshape(G, 6)
@@ -330,9 +329,10 @@ def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
     place.device_evictions += evictions
 
 
-def _general(place, pf, gate, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget, rec, pref,
-             pred, host_sec):
+def _general(place, ctl, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget, rec, pref,
+             host_sec):
     t, layer = divmod(c0, L)
+    pf, gate = ctl.pf, ctl.gate
     access = place.access
     out = rec.extend
     devtab, hosttab = cost.tables(max(cnts) if cnts else 1)
@@ -361,7 +361,7 @@ def _general(place, pf, gate, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c
         if pf is not None:
             base = layer * E
             experts = [x - base for x in ks]
-            pf.observe(layer, experts, wts[a:b], t)
+            ctl.observe(layer, experts, wts[a:b], t)
             if g + 1 < G:
                 target = 0 if last else layer + 1
                 tb = target * E
@@ -370,11 +370,9 @@ def _general(place, pf, gate, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c
                     future.g = g
                 if isinstance(pf, OraclePrefetcher):
                     pf.future = lambda _l, nxt=nxt, tb=tb: [x - tb for x in nxt]
-                pk = [tb + x for x in pf.predict(target, experts, budget)]
+                pk = [tb + x for x in ctl.predict(target, experts)]
                 ns = set(nxt)
-                pred[0] += sum(1 for x in pk if x in ns)
-                pred[1] += len(pk)
-                pred[2] += len(ns)
+                ctl.learn(pk, ns, calibrate=False)    # precision / recall of every prediction
                 if last:
                     place.end_step()
                 if target < place.cpu_layers:
@@ -390,8 +388,8 @@ def _general(place, pf, gate, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c
                     hits[0] += r[0]
                     hits[1] += b - a
                     q = hits[0] / hits[1] if len(tp.resident) >= tp.capacity else 0.0
-                    sel = gate.select(pk, free, tp.resident, q)
-                    gate.observe(pk, ns)      # the outcome, learned after the decision
+                    sel = ctl.select(pk, free, tp.resident, q)
+                    ctl.calibrate(pk, ns)     # the outcome, learned after the decision
                     pk = sel
                 # The group being computed is protected; after the last layer nothing is.
                 pref[g + 1] = place.prefetch(target, pk, t, set() if last else set(ks))

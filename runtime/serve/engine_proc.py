@@ -114,7 +114,7 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     try:
         eng = Engine(model, store, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk, prefetch=cfg.prefetch,
                      cache_bonus=cfg.cache_bonus, schedule=cfg.schedule, max_active=cfg.max_active,
-                     prefetch_rule=cfg.prefetch_rule)
+                     prefetch_rule=cfg.prefetch_rule, keep_records=False)
         mc = model.cfg
         push.send(encode("ready", model=os.path.basename(os.path.abspath(cfg.model)), vocab_size=mc.vocab_size,
                          max_context=eng.max_context, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,
@@ -148,20 +148,20 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
                         iid = iid_of.pop(msg["rid"], None)
                         if iid is not None:
                             eng.abort(iid)
-                            eng.done.pop(iid, None)
+                            eng.forget(iid)
                             rid_of.pop(iid, None)
             outputs, failed, record = [], [], {}
             if eng.has_work():
-                for o in eng.step():
+                res = eng.step_result()
+                for o in res.outputs:
                     if o.finish_reason == FinishReason.ERROR:
                         failed.append([rid_of[o.request_id], o.error or "error"])
                     elif o.token is not None:
                         outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason])
                     if o.finished:
-                        eng.done.pop(o.request_id, None)
+                        eng.forget(o.request_id)
                         iid_of.pop(rid_of.pop(o.request_id), None)
-                rec = eng.steps.pop() if eng.steps else None   # a step that ran nothing records nothing
-                eng.steps.clear()   # a server runs forever: records go out, not into a list
+                rec = res.record            # None: a step that ran nothing records nothing
                 if rec is not None:
                     record = asdict(rec)
                     record["mean_unique_experts"] = sum(rec.unique_experts) / max(1, len(rec.unique_experts))

@@ -129,6 +129,16 @@ class StoreStats:
     prefetch_cancelled: int = 0         # prefetches dropped unstarted once their layer had run
     layer_hits: list = field(default_factory=list)   # [layer] -> [device, host, disk] accesses served there
 
+    def counters(self) -> dict:
+        """The per-step counters now (a step record is the difference of two of these)."""
+        return {"hits": dict(self.hits), "bytes": dict(self.bytes), "stall_seconds": self.stall_seconds}
+
+    def since(self, before: dict) -> dict:
+        """The counters' growth since ``before`` (from ``counters``)."""
+        return {"hits": {k: self.hits[k] - before["hits"][k] for k in self.hits},
+                "bytes": {k: self.bytes[k] - before["bytes"][k] for k in self.bytes},
+                "stall_seconds": self.stall_seconds - before["stall_seconds"]}
+
 
 class Fetch:
     """One layer's experts: ``ready`` are resident now; ``tensors(e)`` waits for a miss.
@@ -478,6 +488,26 @@ class ExpertStore:
                     self._settle(k)
                     self.dev.release(k)
         self.placement.end_step()
+
+    @property
+    def host_holds_all(self) -> bool:
+        """Whether the host tier holds every expert (else a layer's experts must fit the device tier)."""
+        return self._host_holds_all
+
+    def device_capacity(self, layer: int = 0) -> int:
+        """Experts the device tier can hold for ``layer`` (its pool's capacity)."""
+        return self.placement.device[layer].capacity
+
+    def displaced_reuse(self, layer: int) -> float:
+        """The chance a resident that a prefetch into ``layer`` displaces is needed again: the device
+        hit rate so far when the layer's pool is full, else 0 (nothing is displaced)."""
+        st, pool = self.stats, self.placement.device[layer]
+        acc = sum(st.hits.values())
+        return st.hits["device"] / acc if acc and len(pool.resident) >= pool.capacity else 0.0
+
+    def record_host_compute(self, seconds: float) -> None:
+        """Wall time the model spent computing experts on the host (hybrid execution)."""
+        self.stats.host_compute_seconds += seconds
 
     def resident(self, layer: int) -> list:
         """Experts of ``layer`` holding a device slot now (loaded or loading)."""

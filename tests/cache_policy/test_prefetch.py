@@ -56,7 +56,8 @@ def test_lookahead_needs_a_model_and_uses_the_gate():
         make_prefetcher("lookahead", num_layers=2, num_experts=4)
     with pytest.raises(ValueError, match="needs hidden states"):
         ReplayConfig(prefetch="lookahead")
-    g = GateLookaheadPrefetcher(lambda layer, h: np.array([[0.1, 0.9, 0.0, 0.3], [0.8, 0.0, 0.2, 0.1]]))
+    # The preview's expert ids per token: expert 1 chosen by both tokens, 0 and 3 by one (ties: lower id).
+    g = GateLookaheadPrefetcher(lambda layer, h: np.array([[1, 3], [0, 1]]), num_experts=4)
     g.set_hidden(object())
     assert g.predict(1, [], 2) == [1, 0]
     with pytest.raises(ValueError, match="unknown prefetcher 'magic'"):

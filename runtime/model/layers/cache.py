@@ -99,54 +99,15 @@ def state_bytes_per_sequence(cfg: MoEConfig, dtype) -> int:
     return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg).values() if not isinstance(s, TokenCacheSpec))
 
 
-class PagedKV:
-    """Every layer's sequence cache, preallocated from one byte budget and never grown.
+class BlockManager:
+    """The free lists of the cache (nano-vllm's block manager): KV blocks of ``block_size`` tokens and
+    per-sequence slots (recurrent state, sliding-window rings). It hands them to sequences and takes
+    them back; it holds no tensor. The scheduler admits and preempts by what it says is free."""
 
-    Per-token layers (full attention, MLA): fixed-size blocks (vLLM's paged layout): k and v are
-    [token layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of blocks
-    and its positions map to slots through them. Linear-attention and sliding-window layers:
-    ``state_slots`` fixed per-sequence caches (recurrent states [state layers, slots, ...]; rings of
-    the last ``window`` keys and values [window layers, slots, window, heads, dim], position p at
-    p % window); a sequence owns one slot for all of them.
-    ``ensure`` says whether a sequence can have room for more tokens (a block for each 16 tokens,
-    a state slot on its first token), so the scheduler admits requests by free blocks and slots
-    and preempts when out. MLA caches one "head" (latent + rotary key) and no v."""
-
-    def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
-                 with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
-                 state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
-        if (state_layers or window_layers) and state_slots < 1:
-            raise ValueError("a model with linear-attention or sliding-window layers needs at least one sequence slot")
-        self.block_size, self.num_blocks, self.with_v = block_size, num_blocks, with_v
-        T = num_blocks * block_size
-        self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
-        self.v = torch.zeros_like(self.k) if with_v else None
+    def __init__(self, num_blocks: int, block_size: int, state_slots: int, device) -> None:
+        self.num_blocks, self.block_size, self.state_slots, self.device = num_blocks, block_size, state_slots, device
         self.free: list = list(range(num_blocks - 1, -1, -1))
-        self.device = device
-        self.state_slots = state_slots if (state_layers or window_layers) else 0
-        self.rec = self.conv = self.win_k = self.win_v = None
-        if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
-            self.rec = torch.zeros(state_layers, state_slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
-            self.conv = torch.zeros(state_layers, state_slots, *state.conv, dtype=dtype, device=device)
-        if window_layers:             # win_k: [window layers, slots, window, heads, dim]
-            self.win_k = torch.zeros(window_layers, state_slots, window.window, window.heads, window.dim, dtype=dtype,
-                                     device=device)
-            self.win_v = torch.zeros_like(self.win_k) if window.with_v else None
-        self.free_state: list = list(range(self.state_slots - 1, -1, -1))
-
-    @staticmethod
-    def bytes_per_token(layers: int, heads: int, dim: int, dtype, with_v: bool = True) -> int:
-        return layers * heads * dim * torch.tensor([], dtype=dtype).element_size() * (2 if with_v else 1)
-
-    @property
-    def nbytes(self) -> int:
-        n = self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
-        for t in (self.rec, self.conv, self.win_k, self.win_v):
-            if t is not None:
-                n += t.numel() * t.element_size()
-        return n
+        self.free_state: list = list(range(state_slots - 1, -1, -1))
 
     @property
     def free_blocks(self) -> int:
@@ -166,7 +127,7 @@ class PagedKV:
         if self.state_slots and seq.state is None:
             if not self.free_state or need > len(self.free):
                 return False
-            seq.state = self.free_state.pop()    # stale contents: its first chunk starts from zeros (MoEModel._linear_attention)
+            seq.state = self.free_state.pop()    # stale contents: its first chunk starts from zeros (layers/linear.py)
         if need <= 0:
             return True
         if need > len(self.free):
@@ -185,3 +146,61 @@ class PagedKV:
             self.free_state.append(seq.state)
             seq.state = None
 
+
+class PagedKV:
+    """Every layer's sequence cache, preallocated from one byte budget and never grown: the tensors
+    (they live with the model that runs them) and the ``BlockManager`` that hands out their blocks
+    and slots (``manager``; the scheduler's view).
+
+    Per-token layers (full attention, MLA): fixed-size blocks (vLLM's paged layout): k and v are
+    [token layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of blocks
+    and its positions map to slots through them. Linear-attention and sliding-window layers:
+    ``state_slots`` fixed per-sequence caches (recurrent states [state layers, slots, ...]; rings of
+    the last ``window`` keys and values [window layers, slots, window, heads, dim], position p at
+    p % window); a sequence owns one slot for all of them. MLA caches one "head" (latent + rotary
+    key) and no v."""
+
+    def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
+                 with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
+                 state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
+        if (state_layers or window_layers) and state_slots < 1:
+            raise ValueError("a model with linear-attention or sliding-window layers needs at least one sequence slot")
+        self.with_v = with_v
+        T = num_blocks * block_size
+        self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
+        self.v = torch.zeros_like(self.k) if with_v else None
+        self.manager = BlockManager(num_blocks, block_size, state_slots if (state_layers or window_layers) else 0, device)
+        self.rec = self.conv = self.win_k = self.win_v = None
+        if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
+            self.rec = torch.zeros(state_layers, state_slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
+            self.conv = torch.zeros(state_layers, state_slots, *state.conv, dtype=dtype, device=device)
+        if window_layers:             # win_k: [window layers, slots, window, heads, dim]
+            self.win_k = torch.zeros(window_layers, state_slots, window.window, window.heads, window.dim, dtype=dtype,
+                                     device=device)
+            self.win_v = torch.zeros_like(self.win_k) if window.with_v else None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
+        for t in (self.rec, self.conv, self.win_k, self.win_v):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
+
+    # The manager's figures, for callers that hold the cache.
+    num_blocks = property(lambda self: self.manager.num_blocks)
+    block_size = property(lambda self: self.manager.block_size)
+    state_slots = property(lambda self: self.manager.state_slots)
+    free_blocks = property(lambda self: self.manager.free_blocks)
+    free_sequences = property(lambda self: self.manager.free_sequences)
+
+    def blocks_for(self, tokens: int) -> int:
+        return self.manager.blocks_for(tokens)
+
+    def ensure(self, seq: Sequence, tokens: int) -> bool:
+        return self.manager.ensure(seq, tokens)
+
+    def release(self, seq: Sequence) -> None:
+        self.manager.release(seq)

@@ -77,3 +77,23 @@ def _rotate(t, cos, sin):
 def _no_rotation(t, cos, sin):
     return t
 
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's layout: rotary pairs (x0, x1), (x2, x3), ... each rotated by one frequency."""
+    c, s_ = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+
+
+class RotaryEmbedding:
+    """cos and sin of positions, with the YaRN factor on both, in the model's dtype."""
+
+    def __init__(self, cfg: MoEConfig, device, dtype) -> None:
+        inv_freq, self.factor = rope_frequencies(cfg)
+        self.inv_freq, self.dtype = inv_freq.to(device), dtype
+
+    def __call__(self, pos: torch.Tensor):
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]           # freqs: [tokens, rotary dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.factor).to(self.dtype), (emb.sin() * self.factor).to(self.dtype)

@@ -95,22 +95,21 @@ def test_k3_shape_config(k3_store):
 
 def test_model_residual_stream_is_block_attn_res(k3_store):
     """The model's forward equals the same sublayers wired through the plain loop above."""
-    def plain_layers(self, x, seqs, spans):
-        cfg, w = self.cfg, self.w
+    def plain_layers(self, x, ctx):
+        cfg = self.cfg
         outputs, block_of = [], []
 
         def inp(q):
             return plain_input(x, outputs, block_of, len(outputs) // 2 // cfg.attn_res_block_layers, q,
                                cfg.rms_norm_eps).to(x.dtype)
-        for i in range(cfg.num_layers):
-            h = rms_norm(inp(w[self._p(i, "attn_res.attn_query")]), w[self._p(i, "input_layernorm.weight")], cfg.rms_norm_eps)
-            outputs.append(self._attention(i, h, seqs, spans))
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(inp(layer.attn_query), layer.input_norm, cfg.rms_norm_eps)
+            outputs.append(layer.attn(h, ctx))
             block_of.append(i // cfg.attn_res_block_layers)
-            h = rms_norm(inp(w[self._p(i, "attn_res.mlp_query")]), w[self._p(i, "post_attention_layernorm.weight")],
-                         cfg.rms_norm_eps)
-            outputs.append(self._ffn(i, h))
+            h = rms_norm(inp(layer.mlp_query), layer.post_norm, cfg.rms_norm_eps)
+            outputs.append(layer.ffn(h, ctx))
             block_of.append(i // cfg.attn_res_block_layers)
-        return inp(w["model.attn_res.final_query"])
+        return inp(self.final_query)
 
     prompt = [5, 17, 3, 60, 2]
     logits = []
@@ -118,7 +117,7 @@ def test_model_residual_stream_is_block_attn_res(k3_store):
         model, store = load_model(k3_store)
         try:
             if plain:
-                model._layers_attn_res = types.MethodType(plain_layers, model)
+                model.layers_attn_res = types.MethodType(plain_layers, model)
             s = Sequence()
             logits.append(torch.stack([model.forward([s], [prompt[:3]])[0]] +
                                       [model.forward([s], [[t]])[0] for t in prompt[3:]]))

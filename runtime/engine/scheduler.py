@@ -1,0 +1,191 @@
+"""Continuous batching (nano-vllm's ``scheduler.py``): which requests run this step and which tokens
+each feeds, admission by free KV blocks and state slots, preemption by recompute when they run out,
+and after the forward, sampling and finishing. It sees the cache only through its ``BlockManager``
+and never runs the model."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..model.layers.cache import BlockManager, Sequence
+from .request import FinishReason, Request, SchedulerOutput, StepOutput, sample
+
+SCHEDULES = ("fcfs", "expert-aware")
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_batch: int, max_active: int, prefill_chunk: int,
+                 step_tokens: "int | None", schedule: str, num_moe_layers: int, num_experts: int,
+                 eos_token_ids=()) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose {' or '.join(SCHEDULES)}")
+        self.blocks = blocks
+        self.max_batch, self.max_active, self.prefill_chunk = max_batch, max_active, prefill_chunk
+        # A layer's experts must fit the device tier when the host does not hold every expert: a
+        # step then feeds at most this many tokens (None: no limit).
+        self.step_tokens = step_tokens
+        self.schedule_kind = schedule
+        self.L, self.E = num_moe_layers, num_experts
+        self.eos = set(eos_token_ids)
+        self.waiting: list = []
+        self.running: list = []
+        self.preemptions = 0
+
+    def add(self, r: Request) -> None:
+        self.waiting.append(r)
+
+    def remove(self, rid: int) -> "Request | None":
+        """Take a request out of the queues (abort), freeing its blocks."""
+        for q in (self.waiting, self.running):
+            for r in list(q):
+                if r.id == rid:
+                    q.remove(r)
+                    self.blocks.release(r.seq)
+                    return r
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @staticmethod
+    def decoding(r: Request) -> bool:
+        return r.recompute is None and r.fed >= len(r.prompt)
+
+    # -- schedule ------------------------------------------------------------------------------
+    def schedule(self, step_no: int) -> SchedulerOutput:
+        self._admit()
+        if not self.running:
+            return SchedulerOutput([], [])
+        batch = self._choose(step_no) if len(self.running) > self.max_batch else list(self.running)
+        chunks, fed = [], []
+        budget = None if self.step_tokens is None else self.step_tokens - sum(self.decoding(r) for r in batch)
+        for r in batch:
+            if r not in self.running:
+                continue              # preempted below for an earlier request of this step
+            chunk = self._next_chunk(r, budget)
+            if chunk is None:
+                continue              # no room left in this step's token budget: next step
+            # KV blocks for this chunk; when none are free, preempt the newest running request
+            # (vLLM's recompute: its blocks are freed, it is fed again later) - possibly this one.
+            while not self.blocks.ensure(r.seq, r.seq.length + len(chunk)):
+                victim = max(self.running, key=lambda x: x.arrival)
+                self._preempt(victim)
+                if victim in fed:          # already given a chunk this step: take it back
+                    j = fed.index(victim)
+                    del fed[j], chunks[j]
+                if victim is r:
+                    break
+            if r not in self.running:
+                continue
+            if budget is not None and not self.decoding(r):
+                budget -= len(chunk)
+            chunks.append(chunk)
+            fed.append(r)
+        return SchedulerOutput(fed, chunks)
+
+    def _admit(self) -> None:
+        """Admission by free KV blocks: a waiting request joins when its whole (re)prefill fits now."""
+        free, seqs = self.blocks.free_blocks, self.blocks.free_sequences   # seqs None: no per-sequence state
+        while self.waiting and len(self.running) < self.max_active:
+            r = self.waiting[0]
+            need = self.blocks.blocks_for(len(r.recompute or r.prompt) + 1)
+            if (need > free or seqs == 0) and self.running:
+                break
+            free -= need                  # promised to this request, allocated chunk by chunk
+            if seqs is not None:
+                seqs -= 1
+            self.running.append(self.waiting.pop(0))
+
+    def _next_chunk(self, r: Request, budget: "int | None") -> "list | None":
+        if self.decoding(r):
+            return [r.output[-1]]
+        src = r.recompute if r.recompute is not None else r.prompt
+        n = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
+        return src[r.fed:r.fed + n] if n > 0 else None
+
+    def _preempt(self, r: Request) -> None:
+        """Free a running request's KV blocks; it waits at the head of the queue and is fed again
+        (prompt + what it generated so far, without sampling) when blocks are free."""
+        self.running.remove(r)
+        self.blocks.release(r.seq)
+        r.seq = Sequence()
+        r.fed = 0
+        r.recompute = (r.prompt + r.output[:-1]) if r.output else None
+        r.preemptions += 1
+        self.preemptions += 1
+        self.waiting.insert(0, r)
+
+    def _choose(self, step_no: int) -> list:
+        """Expert-aware batching: max_batch of the active requests, grouped by the overlap of the
+        experts their last token used. The request that has waited longest since it last ran
+        seeds the group (and any request left out for ``4 * max_active / max_batch`` steps is
+        taken first), so nobody starves; then, one at a time, the request whose last experts are
+        most covered by the group's union joins."""
+        offs = np.arange(self.L)[:, None] * self.E
+        starve = 4 * self.max_active // self.max_batch
+        order = sorted(self.running, key=lambda r: r.last_step)
+        chosen = [r for r in order if step_no - r.last_step > starve][: self.max_batch] or order[:1]
+        union: set = set()
+        sets = {r.id: set((r.routing[-1][-1] + offs).reshape(-1).tolist()) if r.routing else set()
+                for r in self.running}
+        for r in chosen:
+            union |= sets[r.id]
+        rest = [r for r in order if r not in chosen]
+        while len(chosen) < self.max_batch and rest:
+            # Requests still in prefill have no experts yet: they score 0 and join by age.
+            best = max(rest, key=lambda r: (len(sets[r.id] & union) / len(sets[r.id]) if sets[r.id] else 0.0))
+            chosen.append(best)
+            rest.remove(best)
+            union |= sets[best.id]
+        return chosen
+
+    # -- after the forward -----------------------------------------------------------------------
+    def fail(self, r: Request, message: str) -> StepOutput:
+        """End one request with an error; its slots are freed, the engine goes on."""
+        if r in self.running:
+            self.running.remove(r)
+        self.blocks.release(r.seq)
+        r.finished, r.finish_reason, r.error = True, FinishReason.ERROR, message
+        return StepOutput(r.id, None, True, FinishReason.ERROR, message)
+
+    def postprocess(self, sched: SchedulerOutput, logits, now: float) -> "tuple[list, list, int]":
+        """Advance each request by its chunk, sample where its prompt is done, finish on a stop token
+        or max_tokens. Returns (outputs, ended requests, requests failed while sampling)."""
+        out, ended, failed = [], [], 0
+        for r, c, lg in zip(sched.requests, sched.chunks, logits):
+            if not self._advance(r, len(c)):
+                out.append(StepOutput(r.id, None))
+                continue
+            try:
+                tok = sample(lg, r.params, r.gen)
+            except Exception as e:  # noqa: BLE001 - this request alone
+                out.append(self.fail(r, f"{type(e).__name__}: {e}"))
+                ended.append(r)
+                failed += 1
+                continue
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.output.append(tok)
+            p = r.params
+            if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.eos):
+                r.finished, r.finish_reason = True, FinishReason.STOP
+            elif len(r.output) >= p.max_tokens:
+                r.finished, r.finish_reason = True, FinishReason.LENGTH
+            out.append(StepOutput(r.id, tok, r.finished, r.finish_reason))
+            if r.finished:
+                self.running.remove(r)
+                self.blocks.release(r.seq)
+                ended.append(r)
+        return out, ended, failed
+
+    @staticmethod
+    def _advance(r: Request, n: int) -> bool:
+        """Count ``n`` fed tokens; True when this step's logits are to be sampled."""
+        if r.recompute is not None:
+            r.fed += n
+            if r.fed >= len(r.recompute):       # context rebuilt: decoding resumes with output[-1]
+                r.recompute, r.fed = None, len(r.prompt)
+            return False
+        if r.fed < len(r.prompt):
+            r.fed += n
+            return r.fed >= len(r.prompt)
+        return True

@@ -1,0 +1,68 @@
+"""What one forward pass knows beyond its activations: which sequences, where their tokens go in the
+cache, their rotary angles, and the hooks of the step (vLLM's ``ForwardContext`` / nano-vllm's
+``Context``). Built once per forward by the model; every layer reads it, none edits another's part."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .cache import PagedKV
+from .rope import RotaryEmbedding, signed_sin
+
+
+@dataclass
+class ForwardContext:
+    seqs: list                       # Sequence of each chunk
+    spans: list                      # (start, end) of each chunk's tokens in the flat batch
+    decode: bool                     # one token per sequence: the batched paths
+    kv: PagedKV
+    step: int = 0                    # placement time (the engine's step number)
+    cache_bonus: float = 0.0         # cache-aware routing bonus for resident experts
+    record: "Optional[Callable]" = None        # record(moe_idx, ids [tokens, k])
+    after_moe: "Optional[Callable]" = None     # after_moe(moe_idx, used experts, hidden [tokens, hidden])
+    # decode: position, write slot [B] and read slots [B, n] of each sequence (padded with slot 0, masked)
+    pos: "torch.Tensor | None" = None
+    write: "torch.Tensor | None" = None
+    read: "torch.Tensor | None" = None
+    # decode: (cos, sin) [B, rotary]; prefill: one (cos, sin) [new, rotary] per sequence
+    rope: "tuple | list | None" = None
+    # the same broadcast over heads with the signed sin (GQA layers): decode [B, 1, rotary]; prefill per sequence
+    rope_heads: "tuple | list | None" = None
+    prefill: "list | None" = None    # per sequence: (write slots of the new tokens, read slots of its context)
+    state: "torch.Tensor | None" = None   # decode: each sequence's state slot [B]
+    fresh: "torch.Tensor | None" = None   # decode: slots of sequences on their first token (start from zeros)
+    masks: dict = field(default_factory=dict)   # masks made once per forward, shared by the layers that use them
+
+
+def build_context(seqs: list, chunks: list, kv: PagedKV, rope: RotaryEmbedding, *, rope_heads: bool,
+                  device, **hooks) -> ForwardContext:
+    """Token slots and rotary angles of this forward, computed once for every layer."""
+    spans, a = [], 0
+    for c in chunks:
+        spans.append((a, a + len(c)))
+        a += len(c)
+    decode = all(b - a == 1 for a, b in spans)
+    ctx = ForwardContext(seqs=seqs, spans=spans, decode=decode, kv=kv, **hooks)
+    if decode:
+        pos = [s.length for s in seqs]
+        n = max(pos) + 1
+        ctx.read = torch.stack([s.slot_ids[:n] if s.slot_ids.numel() >= n else
+                                torch.cat([s.slot_ids, s.slot_ids.new_zeros(n - s.slot_ids.numel())]) for s in seqs])
+        ctx.write = torch.stack([s.slot_ids[p] for s, p in zip(seqs, pos)])
+        ctx.pos = torch.tensor(pos, device=device)
+        ctx.rope = rope(ctx.pos)                                         # cos, sin: [B, rotary]
+        if kv.state_slots:
+            ctx.state = torch.tensor([s.state for s in seqs], device=device)
+            fresh = [s.state for s in seqs if s.length == 0]
+            ctx.fresh = torch.tensor(fresh, device=device) if fresh else None
+        if rope_heads:
+            cos, sin = ctx.rope
+            ctx.rope_heads = (cos[:, None], signed_sin(sin)[:, None])
+        return ctx
+    ctx.prefill = [(s.slot_ids[s.length:s.length + b - a], s.slot_ids[:s.length + b - a]) for s, (a, b) in zip(seqs, spans)]
+    ctx.rope = [rope(torch.arange(s.length, s.length + b - a, device=device)) for s, (a, b) in zip(seqs, spans)]
+    if rope_heads:
+        ctx.rope_heads = [(c[:, None], signed_sin(s_)[:, None]) for c, s_ in ctx.rope]
+    return ctx

@@ -1,0 +1,90 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Kimi-Linear's full layers). The cache holds,
+per token, the normalised KV latent and the shared rotary key; prefill expands keys and values
+from it through kv_b_proj, decode attends in the latent space (weight absorption)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import MoEConfig
+from .context import ForwardContext
+from .norm import rms_norm
+from .rope import _no_rotation, _rotate, mla_softmax_scale, rope_interleaved
+from .weights import layer_prefix, take
+
+
+class MLAttention:
+    def __init__(self, cfg: MoEConfig, i: int, w: dict, *, kv_index: int) -> None:
+        p = layer_prefix(i) + "self_attn."
+        self.i, self.kv_index, self.eps = i, kv_index, cfg.rms_norm_eps
+        self.nh, self.nope, self.rope, self.vd, self.lat = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                            cfg.v_head_dim, cfg.kv_lora_rank)
+        self.scale = mla_softmax_scale(cfg)
+        if cfg.q_lora_rank:
+            self.q_a, self.q_a_norm, self.q_b = (take(w, p + "q_a_proj.weight"), take(w, p + "q_a_layernorm.weight"),
+                                                 take(w, p + "q_b_proj.weight"))
+            self.q = None
+        else:
+            self.q = take(w, p + "q_proj.weight")
+        self.kv_a = take(w, p + "kv_a_proj_with_mqa.weight")
+        self.kv_a_norm = take(w, p + "kv_a_layernorm.weight")
+        self.kv_b = take(w, p + "kv_b_proj.weight")
+        self.o = take(w, p + "o_proj.weight")
+        # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
+        self.rot = _no_rotation if not cfg.mla_rope else rope_interleaved if cfg.rope_interleave else _rotate
+
+    def tensors(self) -> list:
+        return [t for t in (self.q, getattr(self, "q_a", None), getattr(self, "q_a_norm", None),
+                            getattr(self, "q_b", None), self.kv_a, self.kv_a_norm, self.kv_b, self.o) if t is not None]
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        nh, nope, rope, vd, lat = self.nh, self.nope, self.rope, self.vd, self.lat
+        if self.q is None:
+            q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps), self.q_b)
+        else:
+            q = F.linear(x, self.q)
+        q = q.view(-1, nh, nope + rope)                                  # q: [tokens, heads, nope+rope]
+        ckv = F.linear(x, self.kv_a)                                     # ckv: [tokens, lat+rope]
+        latent = rms_norm(ckv[:, :lat], self.kv_a_norm, self.eps)
+        k_rot = ckv[:, lat:]
+        rot = self.rot
+        K = ctx.kv.k[self.kv_index]                                      # K: [token slots, 1, lat+rope]
+        if ctx.decode:
+            return self._decode(q, latent, k_rot, ctx, K)
+        out = torch.empty(x.shape[0], nh, vd, dtype=x.dtype, device=x.device)
+        for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(ctx.seqs, ctx.spans, ctx.prefill, ctx.rope):
+            p0, n_new = s.length, b - a                                  # cos, sin: [new, rope]
+            qr = torch.cat([q[a:b, :, :nope], rot(q[a:b, :, nope:], cos[:, None], sin[:, None])], dim=-1)
+            K[w_idx, 0] = torch.cat([latent[a:b], rot(k_rot[a:b], cos, sin)], dim=-1)
+            n_ctx = p0 + n_new
+            cache = K[r_idx, 0]                                          # [ctx, lat+rope]
+            kv = F.linear(cache[:, :lat], self.kv_b).view(n_ctx, nh, nope + vd)
+            k = torch.cat([kv[..., :nope], cache[:, None, lat:].expand(n_ctx, nh, rope)], dim=-1)   # [ctx, heads, qk]
+            causal = torch.arange(n_ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
+            o = F.scaled_dot_product_attention(qr.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               kv[..., nope:].transpose(0, 1)[None], attn_mask=causal,
+                                               scale=self.scale)          # o: [1, heads, new, v]
+            out[a:b] = o[0].transpose(0, 1)
+        return F.linear(out.reshape(-1, nh * vd), self.o)
+
+    def _decode(self, q, latent, k_rot, ctx: ForwardContext, K) -> torch.Tensor:
+        """One token per sequence, all sequences at once, attending in the latent space: kv_b's key
+        half is absorbed into the query and its value half applied after the weighted sum, so the
+        cached latents are never expanded to per-head keys and values (DeepSeek's weight absorption)."""
+        nh, nope, vd, lat = self.nh, self.nope, self.vd, self.lat
+        B = len(ctx.seqs)
+        rot = self.rot
+        cos, sin = ctx.rope                                              # [B, rope]
+        q_rope = rot(q[:, :, nope:], cos[:, None], sin[:, None])         # [B, heads, rope]
+        K[ctx.write, 0] = torch.cat([latent, rot(k_rot, cos, sin)], dim=-1)
+        n = ctx.read.shape[1]
+        cache = K[ctx.read, 0]                                           # cache: [B, n, lat+rope]
+        wkv = self.kv_b.view(nh, nope + vd, lat)
+        q_lat = torch.einsum("bhd,hdl->bhl", q[:, :, :nope], wkv[:, :nope])          # [B, heads, lat]
+        scores = (torch.einsum("bhl,bnl->bhn", q_lat, cache[..., :lat]) +
+                  torch.einsum("bhr,bnr->bhn", q_rope, cache[..., lat:])) * self.scale
+        mask = torch.arange(n, device=q.device)[None, :] <= ctx.pos[:, None]         # mask: [B, n]
+        p = scores.float().masked_fill(~mask[:, None, :], float("-inf")).softmax(-1).to(q.dtype)
+        lctx = torch.einsum("bhn,bnl->bhl", p, cache[..., :lat])                      # [B, heads, lat]
+        out = torch.einsum("bhl,hvl->bhv", lctx, wkv[:, nope:])                       # [B, heads, v]
+        return F.linear(out.reshape(B, nh * vd), self.o)

@@ -1,0 +1,217 @@
+"""The MoE block in stages (vLLM's modular fused-MoE split): route -> dispatch (tokens sorted by
+expert; the store says which experts are on the device, which stream in, which the host computes)
+-> experts -> combine (weights, the latent projection back, shared experts).
+
+``ExpertExecutor`` is the one piece every MoE layer shares: the codec that turns a stored blob into
+float operands, the expert FFN, and the host worker of hybrid execution."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...quant import ExpertCodec
+from ..config import MoEConfig
+from ..convert import correction_bias_name, router_name
+from .context import ForwardContext
+from .mlp import DenseMLP
+from .router import route
+from .weights import layer_prefix, take, take_opt
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """A layer's (token, slot) pairs sorted by expert, so each expert reads a contiguous slice."""
+    used: list             # experts with at least one token, ascending
+    counts: list           # tokens of each used expert
+    off: list              # off[e]:off[e + 1] - expert e's rows in the sorted order
+    tok: torch.Tensor      # token of each sorted row [T*k]
+    back: torch.Tensor     # sorted row of each (token, slot) [T*k]
+
+
+def dispatch(ids: torch.Tensor, num_experts: int, device) -> Dispatch:
+    """ids: [T, k]. The store needs the experts on the host anyway: one copy of the ids there, and
+    the bookkeeping in numpy (a few us per call where each torch op of a tiny tensor costs 5-10 us)."""
+    k = ids.shape[1]
+    flat = ids.cpu().numpy().reshape(-1)                                 # flat: [T*k]
+    order = np.argsort(flat, kind="stable")                              # the same permutation as torch's stable sort
+    counts = np.bincount(flat, minlength=num_experts)
+    used = np.flatnonzero(counts).tolist()
+    back = np.empty_like(order)
+    back[order] = np.arange(order.size)                                  # sorted position of each (token, slot)
+    return Dispatch(used=used, counts=counts[used].tolist(), off=[0] + np.cumsum(counts).tolist(),
+                    tok=torch.from_numpy(order // k).to(device), back=torch.from_numpy(back).to(device))
+
+
+class ExpertExecutor:
+    """Computes experts from their store tensors. Float operands of an expert come from its blob:
+    views for float stores, dequantized into one reused scratch for quantized ones (runtime/quant.py)."""
+
+    def __init__(self, cfg: MoEConfig, store, dtype, device) -> None:
+        self.I, self.clamped = cfg.expert_intermediate, cfg.expert_act == "swiglu_clamp"
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.dtype = dtype
+        self.codec = ExpertCodec(store.m.weights, dtype, device)
+        self._host_codec = self._host_pool = None    # hybrid execution with CUDA (see host_job)
+        self.host_worker_on_cpu = False   # tests: run the CUDA path's CPU worker on a CPU-only machine too
+        # Half-precision experts computed in float32 (a CPU): keep converted copies of as many
+        # experts as the device tier holds, so an expert is widened once, not at every step.
+        if self.codec.widen:
+            slots = store.capacity_bytes()["device"] // store.m.blob_stride
+            self.codec.cache_bytes = slots * self.codec.operand_bytes
+
+    def ffn(self, t, x: torch.Tensor, out: "torch.Tensor | None" = None) -> torch.Tensor:
+        """One expert on its tokens. t: ExpertWeights (compute dtype); x: [n, hidden or latent];
+        out: where to write y (same shape as x), else a new tensor. Returns y."""
+        I = self.I
+        h = torch.mm(x, t.gate_up_t)                                     # h: [n, 2I] = gate | up
+        if t.gate_up_bias is not None:
+            h += t.gate_up_bias
+        if self.clamped:   # gpt-oss: clamped SwiGLU with (up + 1)
+            g = h[:, :I].clamp(max=self.limit)
+            h = (h[:, I:].clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+        else:
+            h = F.silu(h[:, :I]) * h[:, I:]                              # h: [n, I]
+        if out is None or out.dtype != h.dtype:   # e.g. float32 experts of a bf16 model: rounded into out
+            y = torch.mm(h, t.down_t) if t.down_bias is None else torch.addmm(t.down_bias, h, t.down_t)
+            return y if out is None else out.copy_(y)
+        if t.down_bias is None:
+            return torch.mm(h, t.down_t, out=out)                       # out: [n, hidden or latent]
+        return torch.addmm(t.down_bias, h, t.down_t, out=out)
+
+    def host_job(self, fetch, xs: torch.Tensor, off: list):
+        """Hybrid execution: experts the store computes on the host, from their host-tier slots
+        (``fetch.on_host``). Without CUDA the host is the device: returns None and the wave loop
+        computes them from the host views like any other expert (no copy). With CUDA: their token
+        rows cross to the CPU once, a CPU worker computes them while the device computes the rest,
+        and the returned callable waits and writes their outputs into ``ys`` (one copy back)."""
+        store = fetch.store
+        if xs.device.type == "cpu" and not self.host_worker_on_cpu:
+            return None
+        host = [e for e in fetch.experts if e in fetch.host]
+        if self._host_codec is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._host_codec = ExpertCodec(store.m.weights, self.dtype, "cpu")
+            self._host_pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-moe-host-experts")
+        spans = [(off[e], off[e + 1]) for e in host]
+        idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(xs.device)
+        x_cpu = xs.index_select(0, idx).to("cpu", self._host_codec.compute_dtype)   # x_cpu: [n, hidden or latent]
+
+        def work():
+            t0 = time.perf_counter()
+            y = torch.empty_like(x_cpu)
+            j = 0
+            for e, (a, b) in zip(host, spans):
+                t = self._host_codec.weights(fetch.tensors(e))          # views of the host slot
+                self.ffn(t, x_cpu[j:j + b - a], y[j:j + b - a])
+                j += b - a
+            store.record_host_compute(time.perf_counter() - t0)
+            return y
+        fut = self._host_pool.submit(work)
+
+        def finish(ys: torch.Tensor) -> None:
+            ys.index_copy_(0, idx, fut.result().to(ys.device, ys.dtype))
+        return finish
+
+    def run(self, m: int, fetch, xs: torch.Tensor, off: list) -> torch.Tensor:
+        """Experts of MoE layer ``m`` on their sorted rows xs [T*k, hidden or latent] -> ys. Resident
+        experts first while misses stream in; in waves when they do not all fit."""
+        codec = self.codec
+        ys = torch.empty_like(xs)             # outputs in the model's dtype
+        if xs.dtype != codec.compute_dtype:   # e.g. bf16 model, float32 expert matmuls on a CPU
+            xs = xs.to(codec.compute_dtype)
+        host_job = self.host_job(fetch, xs, off) if fetch.host else None
+        for wave in fetch.waves():
+            for e in wave:
+                on_host = e in fetch.host
+                if on_host and host_job is not None:
+                    continue                     # on a CPU worker (see host_job)
+                t0 = time.perf_counter() if on_host else 0.0
+                # Host-computed experts convert into scratch: kept, they would push the device tier's
+                # experts out of the converted-operand cache (sized to the device tier).
+                t = codec.weights(fetch.tensors(e), None if on_host else (m, e))
+                a, b = off[e], off[e + 1]
+                self.ffn(t, xs[a:b], ys[a:b])
+                if on_host:
+                    fetch.store.record_host_compute(time.perf_counter() - t0)
+        if host_job is not None:
+            host_job(ys)
+        return ys
+
+
+_NO_HOOKS = ForwardContext(seqs=[], spans=[], decode=False, kv=None)
+
+
+class MoEBlock:
+    """The routed experts of layer ``i`` (MoE layer ``moe_idx``), with its router, optional latent
+    projection (Kimi K3's LatentMoE) and shared experts."""
+
+    def __init__(self, cfg: MoEConfig, i: int, moe_idx: int, w: dict, store, executor: ExpertExecutor) -> None:
+        self.cfg, self.i, self.moe_idx = cfg, i, moe_idx
+        self.store, self.executor = store, executor
+        rn = router_name(cfg, i)
+        self.router_w = take(w, rn)
+        self.router_b = take_opt(w, rn[:-len("weight")] + "bias")        # gpt-oss's router bias
+        self.correction = take_opt(w, correction_bias_name(cfg, i))      # sigmoid routers' selection bias
+        p = layer_prefix(i) + cfg.mlp_prefix
+        self.latent_down = take(w, p + "latent_down.weight") if cfg.latent_dim else None
+        self.latent_up = take(w, p + "latent_up.weight") if cfg.latent_dim else None
+        self.shared = DenseMLP(w, layer_prefix(i) + cfg.shared_prefix) if cfg.shared_intermediate else None
+        self.shared_gate = take(w, layer_prefix(i) + "mlp.shared_expert_gate.weight") if cfg.shared_expert_gate else None
+
+    # -- stages ----------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor, bonus: "torch.Tensor | None" = None):
+        """x: [tokens, hidden] -> (ids [tokens, k], weights [tokens, k] float32)."""
+        logits = F.linear(x, self.router_w, self.router_b)               # logits: [tokens, E]
+        return route(logits, self.cfg, self.correction, bonus)
+
+    def route_preview(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts this block would route ``x`` to, by the code its forward runs (lookahead prefetch)."""
+        return self.route(x)[0]
+
+    def _bonus(self, ctx: ForwardContext, device) -> "torch.Tensor | None":
+        # Cache-aware routing: resident experts look better by cache_bonus (off by default: it
+        # changes the model's outputs; bench/exp_cache_routing.py measures by how much).
+        if not ctx.cache_bonus:
+            return None
+        res = self.store.resident(self.moe_idx)
+        if not res:
+            return None
+        bonus = torch.zeros(self.cfg.num_experts, device=device)
+        bonus[res] = ctx.cache_bonus
+        return bonus
+
+    def combine(self, ys: torch.Tensor, d: Dispatch, wts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Back to (token, slot) order, then each token's k expert outputs summed by weight
+        (cheaper than index_add_ on CPU); the latent projection back and shared experts."""
+        T, k = wts.shape
+        y = ys[d.back].view(T, k, -1)                                    # y: [T, k, hidden or latent]
+        out = (y * wts[:, :, None]).sum(1)
+        if self.latent_up is not None:
+            out = F.linear(out, self.latent_up)
+        if self.shared is not None:
+            sh = self.shared(x)
+            if self.shared_gate is not None:
+                sh = sh * torch.sigmoid(F.linear(x, self.shared_gate))
+            out = out + sh
+        return out
+
+    def __call__(self, x: torch.Tensor, ctx: "ForwardContext | None" = None) -> torch.Tensor:
+        """x: [tokens, hidden] -> [tokens, hidden]. Without a context: step 0, no hooks, no bonus."""
+        ctx = ctx or _NO_HOOKS
+        m = self.moe_idx
+        ids, wts = self.route(x, self._bonus(ctx, x.device))
+        if ctx.record is not None:
+            ctx.record(m, ids)
+        wts = wts.to(self.executor.dtype)
+        d = dispatch(ids, self.cfg.num_experts, x.device)
+        fetch = self.store.request(m, d.used, ctx.step, d.counts)       # tokens per expert: hybrid decisions weigh them
+        xin = x if self.latent_down is None else F.linear(x, self.latent_down)   # xin: [tokens, hidden or latent]
+        ys = self.executor.run(m, fetch, xin[d.tok], d.off)             # rows: [T*k, hidden or latent]
+        out = self.combine(ys, d, wts, x)
+        if ctx.after_moe is not None:
+            ctx.after_moe(m, d.used, x)
+        return out

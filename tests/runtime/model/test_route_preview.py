@@ -1,0 +1,42 @@
+"""Lookahead prefetch predicts with the model's own router: for every architecture, the preview of a
+MoE layer on a hidden state equals the routing that layer's forward chose for that hidden state
+(correction-bias names, router biases and group-limited top-k included)."""
+import torch
+
+from runtime.engine import Engine, SamplingParams
+from runtime.model import Sequence, load_model
+
+
+def test_route_preview_equals_the_layers_routing(hf_model):
+    name, ref, hf_dir, store_dir = hf_model
+    model, store = load_model(store_dir)
+    try:
+        routed, inputs = {}, {}
+        model.record = lambda m, ids: routed.__setitem__(m, ids.clone())
+        model.prefetch_hook = lambda m, used, x: inputs.__setitem__(m, x.clone())
+        s = Sequence()
+        for chunk in ([5, 17, 3, 60, 2, 9], [11]):          # a prefill chunk, then a decode step
+            routed.clear(), inputs.clear()
+            model.forward([s], [chunk])
+            assert sorted(routed) == sorted(inputs) == list(range(model.cfg.num_moe_layers)), name
+            for m in routed:
+                assert torch.equal(model.route_preview(m, inputs[m]), routed[m]), (name, m)
+    finally:
+        store.close()
+
+
+def test_lookahead_engine_runs_and_changes_no_token(hf_model):
+    name, ref, hf_dir, store_dir = hf_model
+    outs = []
+    for prefetch in ("none", "lookahead"):
+        model, store = load_model(store_dir)
+        try:
+            eng = Engine(model, store, max_batch=2, prefetch=prefetch, prefetch_rule="always")
+            ids = [eng.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in ([5, 17, 3], [9, 2])]
+            eng.run()
+            outs.append([eng.done[i].output for i in ids])
+            if prefetch == "lookahead":
+                assert eng.summary()["prefetch"]["precision"] is not None, name
+        finally:
+            store.close()
+    assert outs[0] == outs[1], name
