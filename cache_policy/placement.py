@@ -23,6 +23,7 @@ Semantics (kept exact so results compare with independent implementations):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 from .keys import SCOPES
@@ -39,6 +40,38 @@ class Access(NamedTuple):
     waves: int
     prefetch_used: int
     host_computed: int     # of host_hits, computed on the host (hybrid execution)
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One wave of a layer whose experts exceed its pool: the experts it computes, those it loads
+    first, and those it evicts for them (flat keys)."""
+    keys: tuple
+    loaded: tuple
+    evicted: tuple
+
+
+@dataclass(frozen=True)
+class Moves:
+    """What a placement decision asks the live store to carry out (flat keys): free the evicted
+    slots of each tier, load ``loaded`` onto the device (``from_disk`` of them read from disk first)."""
+    loaded: tuple = ()
+    from_disk: tuple = ()
+    device_evicted: tuple = ()
+    host_evicted: tuple = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A demand access decided (``TieredPlacement.access_detail``): device hits, the misses to bring
+    to the device, the experts computed on the host, the waves, and the moves to carry out."""
+    hits: int
+    misses: tuple
+    host: tuple               # computed on the host from its slot, not moved (hybrid execution)
+    waves: int
+    prefetch_used: int
+    moves: Moves
+    wave_plan: "tuple | None" = None    # Wave per wave when waves > 1 (the first one's moves replace ``moves``)
 
 
 class Pool:
@@ -303,8 +336,9 @@ class TieredPlacement:
     def access_detail(self, layer: int, keys: Sequence[int], t: int, aux=None, counts=None,
                       queued: float = 0.0) -> dict:
         """Like ``access`` but names the experts: for the live store, which must move them.
-        Returns misses (to bring to the device), from_disk (of those, not on the host), host
-        (computed on the host from its slot, not moved) and the keys evicted from each tier."""
+        Returns a ``Placement``: the misses (to bring to the device), from_disk (of those, not on
+        the host), host (computed on the host from its slot, not moved), the keys evicted from each
+        tier and, for a layer in waves, its wave plan."""
         host_keys = []
         dev_keys, dev_aux = keys, aux
         if self.hybrid is not None or layer < self.cpu_layers:
@@ -321,9 +355,11 @@ class TieredPlacement:
             if host_evicted:
                 self.host_evictions += len(host_evicted)
                 evicted += self._back_invalidate(host_evicted)
-        return {"hits": n_hits, "misses": misses, "from_disk": list(from_disk), "device_evicted": evicted,
-                "host_evicted": list(host_evicted), "waves": waves, "prefetch_used": used, "host": host_keys,
-                "wave_plan": dev.last_waves if waves > 1 else None}
+        plan = tuple(Wave(tuple(k), tuple(n), tuple(e)) for k, n, e in dev.last_waves) if waves > 1 else None
+        return Placement(hits=n_hits, misses=tuple(misses), host=tuple(host_keys), waves=waves, prefetch_used=used,
+                         moves=Moves(loaded=tuple(misses), from_disk=tuple(from_disk), device_evicted=tuple(evicted),
+                                     host_evicted=tuple(host_evicted)),
+                         wave_plan=plan)
 
     def _take_pending(self, keys) -> int:
         """Prefetched experts needed now count as used. One still pending is still resident:
@@ -347,9 +383,9 @@ class TieredPlacement:
     def prefetch(self, layer: int, keys: Sequence[int], t: int, protected: set):
         """Bring predicted experts of ``layer`` to the device. Returns (from_host, from_disk)."""
         d = self.prefetch_detail(layer, keys, t, protected)
-        return len(d["loaded"]) - len(d["from_disk"]), len(d["from_disk"])
+        return len(d.loaded) - len(d.from_disk), len(d.from_disk)
 
-    def prefetch_detail(self, layer: int, keys: Sequence[int], t: int, protected: set) -> dict:
+    def prefetch_detail(self, layer: int, keys: Sequence[int], t: int, protected: set) -> Moves:
         """Like ``prefetch`` but names the experts: loaded (to the device), from_disk (of those),
         and what each tier evicted for them."""
         ins, ev = self.device[layer].prefetch(keys, t, protected)
@@ -357,13 +393,13 @@ class TieredPlacement:
         if ev:
             self.device_evictions += len(ev)
             self._note_evicted(ev)
-        out = {"loaded": list(ins), "from_disk": [], "device_evicted": dev_evicted, "host_evicted": []}
         if not ins:
-            return out
+            return Moves(device_evicted=tuple(dev_evicted))
         self.pending.update(ins)
         if self.host is None:
             self.prefetch_issued += len(ins)
-            return out
+            return Moves(loaded=tuple(ins), device_evicted=tuple(dev_evicted))
+        loaded, host_evicted = list(ins), []
         hp = self.host[layer]
         # Inclusive: what reaches the device must be on the host; those not there come from disk.
         from_disk = [k for k in ins if k not in hp.resident]
@@ -371,7 +407,7 @@ class TieredPlacement:
             hins, hev = hp.prefetch(from_disk, t, protected.union(ins))
             if hev:
                 self.host_evictions += len(hev)
-                out["host_evicted"] = list(hev)
+                host_evicted = list(hev)
                 dev_evicted += self._back_invalidate(hev)
             # Anything the host could not take cannot stay on the device either.
             dropped = set(from_disk) - set(hins)
@@ -379,9 +415,29 @@ class TieredPlacement:
                 self.device[layer].remove(k)
                 self.pending.discard(k)
             if dropped:
-                out["loaded"] = [k for k in ins if k not in dropped]
+                loaded = [k for k in ins if k not in dropped]
                 from_disk = [k for k in from_disk if k not in dropped]
         self.prefetch_from_disk += len(from_disk)
-        self.prefetch_issued += len(out["loaded"])
-        out["from_disk"] = from_disk
-        return out
+        self.prefetch_issued += len(loaded)
+        return Moves(loaded=tuple(loaded), from_disk=tuple(from_disk), device_evicted=tuple(dev_evicted),
+                     host_evicted=tuple(host_evicted))
+
+    def cancel_prefetch(self, key: int) -> None:
+        """A prefetched expert that will not load after all (its layer ran without it): no longer
+        pending, no longer resident."""
+        self.pending.discard(key)
+        self.device[key // self.num_experts].remove(key)
+
+    def invalidate(self, key: int) -> None:
+        """An expert whose load failed: out of every tier, so the next access loads it again."""
+        self.pending.discard(key)
+        self.device[key // self.num_experts].remove(key)
+        if self.host is not None:
+            self.host[key // self.num_experts].remove(key)
+
+    def device_capacity(self, layer: int) -> int:
+        return self.device[layer].capacity
+
+    def device_full(self, layer: int) -> bool:
+        pool = self.device[layer]
+        return len(pool.resident) >= pool.capacity

@@ -14,7 +14,7 @@ import numpy as np
 from . import cost_model as cm
 from .keys import SCOPES, Capacity, CpuExperts
 from .placement import TieredPlacement
-from .policies import LFU, LRU, Belady, Freq, NoCache, Reuse, ReuseStats, Static, check_policy_name
+from .policies import LRU, POLICIES, check_policy_name, static_profile  # noqa: F401 - static_profile: callers import it here
 from .prefetch import OraclePrefetcher, PrefetchController, make_prefetcher
 from .traces import Groups, Trace, build_groups, continuous_batches
 
@@ -42,16 +42,21 @@ class ReplayConfig:
     transition_model: "str | None" = None
     cpu_experts: str = "0"                   # 0 | N (first N MoE layers on the host) | auto (cost model)
     prefetch_rule: str = "cost"              # cost: only prefetches expected to pay (PrefetchGate); always
+    # Parsed once, at construction (read-only for the replay):
+    cpu: CpuExperts = field(init=False, repr=False)
+    device_slots: Capacity = field(init=False, repr=False)
+    host_slots: "Capacity | None" = field(init=False, repr=False)
+    cost_profile: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_policy_name(self.policy)
-        self._cpu = CpuExperts.parse(self.cpu_experts)
+        self.cpu = CpuExperts.parse(self.cpu_experts)
         if self.prefetch_rule not in PREFETCH_RULES:
             raise ValueError(f"unknown prefetch rule {self.prefetch_rule!r}; choose one of {', '.join(PREFETCH_RULES)}")
         if self.scope not in SCOPES:
             raise ValueError(f"unknown scope {self.scope!r}; choose one of {', '.join(SCOPES)}")
-        self._device = Capacity.parse(self.device_capacity, "--device-capacity")
-        self._host = None if self.host_capacity in (None, "") else Capacity.parse(self.host_capacity, "--host-capacity")
+        self.device_slots = Capacity.parse(self.device_capacity, "--device-capacity")
+        self.host_slots = None if self.host_capacity in (None, "") else Capacity.parse(self.host_capacity, "--host-capacity")
         make_prefetcher(self.prefetch, num_layers=1, num_experts=1,
                         gate_fn=(lambda *a: None) if self.prefetch == "lookahead" else None)  # name check only
         if self.prefetch == "lookahead":
@@ -65,7 +70,7 @@ class ReplayConfig:
             raise ValueError(f"unknown expert geometry {self.geometry!r}; choose one of {', '.join(cm.EXPERT_GEOMETRY)}")
         if self.expert_bytes is not None and self.expert_bytes < 1:
             raise ValueError(f"--expert-bytes must be positive, got {self.expert_bytes}")
-        self._profile = cm.load_profile(self.profile)
+        self.cost_profile = cm.load_profile(self.profile)
 
 
 def _expert_size(trace: Trace, cfg: ReplayConfig) -> dict:
@@ -92,17 +97,9 @@ def _expert_size(trace: Trace, cfg: ReplayConfig) -> dict:
     return {"params": params, "bytes": int(nbytes), "source": src}
 
 
-def static_profile(trace: Trace, scope_keys=None) -> dict:
-    """Access counts per flat key on a training trace: the `static` policy's scores."""
-    L, E = trace.num_layers, trace.num_experts
-    flat = (trace.ids.astype(np.int64) + (np.arange(L) * E)[None, :, None]).reshape(-1)
-    counts = np.bincount(flat, minlength=L * E)
-    return {int(k): float(c) for k, c in enumerate(counts) if c > 0}
-
-
 def device_slots_for(trace: Trace, cfg: ReplayConfig, nbytes: int) -> "tuple[int, int | None]":
     L, E, k = trace.num_layers, trace.num_experts, trace.top_k
-    dev = cfg._device.slots(scope=cfg.scope, num_layers=L, num_experts=E, expert_bytes=nbytes, flag="--device-capacity")
+    dev = cfg.device_slots.slots(scope=cfg.scope, num_layers=L, num_experts=E, expert_bytes=nbytes, flag="--device-capacity")
     if cfg.scope == "layer" and dev < k:
         raise ValueError(f"--device-capacity {cfg.device_capacity} gives {dev} slot(s) per layer with scope 'layer', "
                          f"below top-k = {k}: one token's experts would not fit (minimum {k} per layer, "
@@ -110,8 +107,8 @@ def device_slots_for(trace: Trace, cfg: ReplayConfig, nbytes: int) -> "tuple[int
     if dev < 1:
         raise ValueError(f"--device-capacity {cfg.device_capacity} gives no slot at all (expert size {nbytes} bytes)")
     host = None
-    if cfg._host is not None:
-        host = cfg._host.slots(scope=cfg.scope, num_layers=L, num_experts=E, expert_bytes=nbytes, flag="--host-capacity")
+    if cfg.host_slots is not None:
+        host = cfg.host_slots.slots(scope=cfg.scope, num_layers=L, num_experts=E, expert_bytes=nbytes, flag="--host-capacity")
         if host < dev:
             raise ValueError(f"--host-capacity {cfg.host_capacity} gives {host} slots, below the device tier's {dev}; "
                              f"tiers are inclusive, the host must hold at least what the device holds")
@@ -119,35 +116,9 @@ def device_slots_for(trace: Trace, cfg: ReplayConfig, nbytes: int) -> "tuple[int
 
 
 def make_policy_factory(trace: Trace, cfg: ReplayConfig, future=None, batch: int = 1):
-    name = cfg.policy
-    if name == "lru":
-        return LRU
-    if name == "lfu":
-        return lambda: LFU(cfg.lfu_half_life)
-    if name == "freq":
-        return lambda: Freq(cfg.freq_ema)
-    if name == "none":
-        return NoCache
-    if name == "static":
-        src = cfg.fit_trace if cfg.fit_trace is not None else trace
-        if (src.num_layers, src.num_experts) != (trace.num_layers, trace.num_experts):
-            raise ValueError(f"--fit-trace {src.source} has {src.num_layers} layers x {src.num_experts} experts, "
-                             f"the replayed trace {trace.num_layers} x {trace.num_experts}")
-        prof = static_profile(src)
-        return lambda: Static(prof)
-    if name == "belady":
-        return lambda: Belady(future)
-    if name == "reuse":
-        if cfg.fit_trace is None:
-            # No fit: it learns online, as on a live store.
-            return lambda: Reuse(cross_weight=cfg.reuse_cross_weight, gamma=cfg.reuse_gamma)
-        src = cfg.fit_trace
-        if (src.num_layers, src.num_experts) != (trace.num_layers, trace.num_experts):
-            raise ValueError(f"--fit-trace {src.source} has {src.num_layers} layers x {src.num_experts} experts, "
-                             f"the replayed trace {trace.num_layers} x {trace.num_experts}")
-        stats = ReuseStats.fit(src, batch)   # group statistics mean what they mean at this batch
-        return lambda: Reuse(stats, cross_weight=cfg.reuse_cross_weight, gamma=cfg.reuse_gamma)
-    raise AssertionError(name)  # check_policy_name already refused anything else
+    """The replay's factory of the configured policy's instances (the policy class says how it is
+    built from a trace and the config: ``EvictionPolicy.for_replay``)."""
+    return POLICIES[check_policy_name(cfg.policy)].for_replay(trace, cfg, future, batch)
 
 
 class _Future:
@@ -180,19 +151,19 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     future = _Future(groups) if (cfg.policy == "belady" or cfg.prefetch == "oracle") else None
     factory = make_policy_factory(trace, cfg, future, batch)
     host_factory = LRU if cfg.policy == "none" else factory
-    prof = cfg._profile
+    prof = cfg.cost_profile
     nbytes, params = size["bytes"], size["params"]
     cost = cm.HybridCost(prof, params, nbytes)
-    if cfg._cpu.layers > L:
-        raise ValueError(f"--cpu-experts {cfg._cpu.layers}: the trace has {L} MoE layers")
+    if cfg.cpu.layers > L:
+        raise ValueError(f"--cpu-experts {cfg.cpu.layers}: the trace has {L} MoE layers")
     place = TieredPlacement(num_layers=L, num_experts=E, scope=cfg.scope, device_slots=dev_slots,
                             host_slots=host_slots, policy_factory=factory, host_policy_factory=host_factory,
-                            hybrid=cost if cfg._cpu.auto else None, cpu_layers=cfg._cpu.layers)
+                            hybrid=cost if cfg.cpu.auto else None, cpu_layers=cfg.cpu.layers)
     warm = place.warm_start()
     budget = cfg.prefetch_budget or k
     # The controller the live engine runs too (cache_policy.prefetch.PrefetchController).
     ctl = PrefetchController(cfg.prefetch, num_layers=L, num_experts=E, budget=budget, rule=cfg.prefetch_rule,
-                             link_s=cost.t_link, saving_s=cost.prefetch_saving(cfg._cpu.auto),
+                             link_s=cost.t_link, saving_s=cost.prefetch_saving(cfg.cpu.auto),
                              fit_trace=cfg.fit_trace if cfg.prefetch == "transition" else None,
                              model_path=cfg.transition_model)
     pf, gate = ctl.pf, ctl.gate
@@ -204,7 +175,7 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     host_sec = np.zeros((G + 1, 2))               # per group: host compute s, device compute s it replaced
     ptr = groups.ptr.tolist()
     CH = 1 << 16
-    simple = pf is None and place.host is None and cfg.policy != "none" and not cfg._cpu.enabled
+    simple = pf is None and place.host is None and cfg.policy != "none" and not cfg.cpu.enabled
     for c0 in range(0, G, CH):
         c1 = min(G, c0 + CH)
         pa, pb = ptr[c0], ptr[min(G, c1 + 1)]  # one group beyond, for prefetch scoring
@@ -252,7 +223,7 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     return {
         "trace": trace.source, "model": trace.model, "batch": int(batch), "policy": cfg.policy, "scope": cfg.scope,
         "prefetch": cfg.prefetch, "prefetch_budget": budget if pf is not None else 0,
-        "prefetch_rule": cfg.prefetch_rule if pf is not None else None, "cpu_experts": str(cfg._cpu),
+        "prefetch_rule": cfg.prefetch_rule if pf is not None else None, "cpu_experts": str(cfg.cpu),
         "device_capacity": cfg.device_capacity, "host_capacity": cfg.host_capacity or "all",
         "device_slots": dev_slots, "host_slots": host_slots if host_slots is not None else L * E if cfg.scope == "global" else E,
         "slots_are": "per layer" if cfg.scope == "layer" else "in total",

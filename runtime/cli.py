@@ -309,9 +309,23 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def _runtime_config(a):
+    """The command line's runtime configuration (runtime/config.py), validated once."""
+    from .config import RuntimeConfig
+    try:
+        return RuntimeConfig(model=a.model, device_budget=_budget(a.device_budget, "--device-budget"),
+                             kv_cache_budget=_budget(a.kv_cache_budget, "--kv-cache-budget") or 0,
+                             host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
+                             prefetch=a.prefetch, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
+                             threads=getattr(a, "threads", None), cache_bonus=a.cache_bonus, schedule=a.schedule,
+                             max_active=a.max_active, cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
+                             profile=a.profile)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_generate(a) -> int:
-    from .engine import Engine, SamplingParams
-    from .model import load_model
+    from .engine import SamplingParams
     from .tokenizer import Tokenizer
     tok = Tokenizer(a.model)
     if a.prompt_ids and a.prompt:
@@ -327,16 +341,11 @@ def cmd_generate(a) -> int:
         prompts = [tok.encode(p) for p in a.prompt]
     else:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
-    model, store = load_model(a.model, device_budget=_budget(a.device_budget, "--device-budget"),
-                              kv_cache_bytes=_budget(a.kv_cache_budget, "--kv-cache-budget"), host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
-                              progress=sys.stderr.isatty(), cpu_experts=a.cpu_experts, profile=a.profile,
-                              max_batch=a.max_batch)
+    cfg = _runtime_config(a)
+    model, store = cfg.load(progress=sys.stderr.isatty())
     try:
         # generate knows its batch: no more sequences than prompts run at once
-        batch = min(a.max_batch, len(prompts))
-        eng = Engine(model, store, max_batch=batch, prefill_chunk=a.prefill_chunk, prefetch=a.prefetch,
-                     cache_bonus=a.cache_bonus, schedule=a.schedule, prefetch_rule=a.prefetch_rule,
-                     max_active=None if a.max_active is None else max(a.max_active, batch))
+        eng = cfg.engine(model, store, max_batch=len(prompts))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 seed=a.seed)
         ids = [eng.add_request(p, params) for p in prompts]
@@ -364,7 +373,6 @@ def cmd_serve(a) -> int:
     import threading
     from .serve.api import Server
     from .serve.client import EngineError
-    from .serve.engine_proc import EngineConfig
     key = a.api_key
     if a.api_key_file:
         if key is not None:
@@ -383,12 +391,7 @@ def cmd_serve(a) -> int:
     if key is None and a.host not in ("127.0.0.1", "localhost", "::1") and not a.host.startswith("127."):
         print(f"tiered-moe: WARNING: binding {a.host} without an API key: anyone who can reach this address can use "
               f"the model (set TIERED_MOE_API_KEY or --api-key-file)", file=sys.stderr)
-    cfg = EngineConfig(model=a.model, device_budget=_budget(a.device_budget, "--device-budget"),
-                       kv_cache_budget=_budget(a.kv_cache_budget, "--kv-cache-budget") or 0,
-                       host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
-                       prefetch=a.prefetch, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, threads=a.threads,
-                       cache_bonus=a.cache_bonus, schedule=a.schedule, max_active=a.max_active,
-                       cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule, profile=a.profile)
+    cfg = _runtime_config(a)
     try:
         srv = Server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
                      startup_timeout=a.startup_timeout, timeout=a.timeout, heartbeat_timeout=a.heartbeat_timeout)
@@ -415,8 +418,10 @@ def _add_cache_bonus(p) -> None:
 
 
 def _add_schedule(p) -> None:
-    p.add_argument("--schedule", default="fcfs", help="fcfs, or expert-aware: each step runs the --max-batch "
-                                                       "active requests whose recent experts overlap most")
+    from .engine.scheduler import SCHEDULES
+    p.add_argument("--schedule", default="fcfs", help=f"{' or '.join(SCHEDULES)} (fcfs: first come first served; "
+                                                       "expert-aware: each step runs the --max-batch active requests "
+                                                       "whose recent experts overlap most)")
     p.add_argument("--max-active", type=int, default=None,
                    help="requests holding a KV slot at once (expert-aware default: 4 x --max-batch)")
 
@@ -429,21 +434,25 @@ def _add_tier_args(p) -> None:
                         "blocks and preempted (recomputed later) when out (default 0: --max-batch sequences of 1024 "
                         "tokens, at least one whole context up to 8192)")
     p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
-    p.add_argument("--policy", default="reuse", help="reuse (default: predicted reuse, no collapse in a global pool at "
-                                                     "high batch), lru, lfu, freq or none")
-    p.add_argument("--scope", default="global", help="layer or global")
-    p.add_argument("--prefetch", default="none", help="none, freq, transition or lookahead")
+    from cache_policy.keys import SCOPES
+    from cache_policy.policies import live_policies
+    from cache_policy.prefetch import LIVE_PREFETCHERS
+    p.add_argument("--policy", default="reuse", help=f"one of {', '.join(live_policies())} (default reuse: predicted "
+                                                     "reuse, no collapse in a global pool at high batch)")
+    p.add_argument("--scope", default="global", help=" or ".join(SCOPES))
+    p.add_argument("--prefetch", default="none", help=", ".join(LIVE_PREFETCHERS))
     _add_hybrid_args(p)
 
 
 def _add_hybrid_args(p, live: bool = True) -> None:
+    from cache_policy.replay import PREFETCH_RULES
     p.add_argument("--cpu-experts", default="0",
                    help="where experts not on the device are computed: 0 = moved to the device (default); N = every "
                         "expert of the first N MoE layers stays on the host and is computed there (llama.cpp's "
                         "--n-cpu-moe); auto = per expert per step, the cost model decides between moving it and "
                         "computing it on the host CPU from host memory (without CUDA: always the host, no copy)")
     p.add_argument("--prefetch-rule", default="cost",
-                   help="cost (default): prefetch an expert only when p(needed) x time saved exceeds the link time it "
+                   help=f"{' or '.join(PREFETCH_RULES)}; cost (default): prefetch an expert only when p(needed) x time saved exceeds the link time it "
                         "takes from demand loads; always: every prediction up to the budget")
     if live:
         p.add_argument("--profile", default=None, help="hardware profile of those decisions (default: cpu without "
@@ -514,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a routing trace through tier placement")
     r.add_argument("--trace", help="routing trace .npz (layout: cache_policy/traces.py)")
     r.add_argument("--synthetic", action="store_true", help="generate a trace instead (knobs below)")
-    r.add_argument("--policy", default="reuse", help=f"one or more, comma-separated: {', '.join(POLICIES)}")
+    r.add_argument("--policy", default="reuse", help=f"one or more, comma-separated: {', '.join(POLICIES)} "
+                                                     "(registered ones included)")
     r.add_argument("--scope", default="global", help="layer (C slots per layer) or global (C slots in total)")
     r.add_argument("--device-capacity", default="0.1", help="fraction of all experts (0.1), count (166) or size (24GiB)")
     r.add_argument("--host-capacity", default=None, help="as --device-capacity; default: the host holds every expert")
@@ -536,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint into the tiered store layout")
     c.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
     c.add_argument("--out", required=True, help="store directory to write")
-    c.add_argument("--quantize", choices=["mxfp4", "int4", "fp8"], default=None,
+    from .quant import quantize_choices
+    c.add_argument("--quantize", choices=list(quantize_choices()), default=None,
                    help="quantize the experts of a float checkpoint (shipped quantized checkpoints are read as they are)")
     c.set_defaults(func=cmd_convert)
 

@@ -330,19 +330,46 @@ class FP8(_Lut16):
         return f" (fp8_e4m3, {self.block[0]}x{self.block[1]} scale tiles)"
 
 
-# The registry: a format is one entry here.
+@dataclass(frozen=True)
+class FormatSpec:
+    """One entry of the format registry: how to build the format, what the cost model calls its
+    dtype and how many bits a weight costs there (scales included), and the ``convert --quantize``
+    name that makes it from float weights (None: read as shipped only)."""
+    make: "object"            # callable(**params) -> WeightFormat
+    cost_dtype: str
+    bits: float
+    quantize: "str | None" = None
+
+
+# The registry: a format is one entry here (or one register_format call).
 FORMATS = {
-    "fp32": lambda **kw: Dense("fp32"),
-    "bf16": lambda **kw: Dense("bf16"),
-    "fp16": lambda **kw: Dense("fp16"),
-    "mxfp4": lambda **kw: MXFP4(),
-    "int4": lambda group=32, scale_dtype="bfloat16", **kw: INT4(group, scale_dtype),
-    "fp8_e4m3": lambda block=(128, 128), **kw: FP8(block),
+    "fp32": FormatSpec(lambda **kw: Dense("fp32"), "fp32", 32.0),
+    "bf16": FormatSpec(lambda **kw: Dense("bf16"), "bf16", 16.0),
+    "fp16": FormatSpec(lambda **kw: Dense("fp16"), "fp16", 16.0),
+    "mxfp4": FormatSpec(lambda **kw: MXFP4(), "mxfp4", 4.25, quantize="mxfp4"),
+    "int4": FormatSpec(lambda group=32, scale_dtype="bfloat16", **kw: INT4(group, scale_dtype), "int4", 4.5,
+                       quantize="int4"),
+    "fp8_e4m3": FormatSpec(lambda block=(128, 128), **kw: FP8(block), "fp8", 8.0, quantize="fp8"),
 }
-# Store format -> the cost model's dtype name (cache_policy.cost_model.DTYPE_BITS): replaying a
-# store's trace sizes its experts from the manifest's real blob bytes and this.
-COST_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "mxfp4": "mxfp4", "int4": "int4", "fp8_e4m3": "fp8"}
-QUANTIZE_CHOICES = {"mxfp4": "mxfp4", "int4": "int4", "fp8": "fp8_e4m3"}   # convert --quantize NAME -> format
+
+
+def register_format(name: str, spec: FormatSpec) -> None:
+    """Add a format: the store, conversion (``--quantize``), the CLI and the cost model see it."""
+    from cache_policy import cost_model as cm
+    FORMATS[name] = spec
+    cm.DTYPE_BITS.setdefault(spec.cost_dtype, spec.bits)
+
+
+def cost_dtype(fmt: "str | None") -> "str | None":
+    """Store format -> the cost model's dtype name (cache_policy.cost_model.DTYPE_BITS): replaying a
+    store's trace sizes its experts from the manifest's real blob bytes and this."""
+    spec = FORMATS.get(fmt) if fmt else None
+    return spec.cost_dtype if spec else None
+
+
+def quantize_choices() -> dict:
+    """``convert --quantize NAME`` -> format name."""
+    return {s.quantize: n for n, s in FORMATS.items() if s.quantize}
 
 
 _INSTANCES: dict = {}
@@ -357,7 +384,7 @@ def get_format(name: str, **params) -> WeightFormat:
         f = FORMATS.get(name)
         if f is None:
             raise ValueError(f"weight format {name!r} is not supported; supported: {', '.join(FORMATS)}")
-        fmt = _INSTANCES[key] = f(**params)
+        fmt = _INSTANCES[key] = f.make(**params)
     return fmt
 
 

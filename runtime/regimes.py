@@ -26,7 +26,7 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     """``dtype``: the projection's expert dtype with ``geometry`` (default bf16; without a geometry the
     store's own format and blob bytes);
     ``expert_budget_bytes``: the device tier in bytes instead of ``device_fraction`` of the experts."""
-    from .quant import COST_DTYPE
+    from .quant import cost_dtype
     from .engine import Engine, SamplingParams
     from .model import load_model
     from .store import Manifest
@@ -56,7 +56,7 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     cfg = ReplayConfig(policy=policy, prefetch=prefetch if prefetch in ("freq", "transition") else "none",
                        scope="global", device_capacity=str(slots),
                        profile=profile, geometry=geometry, expert_bytes=None if geometry else m.blob_bytes,
-                       dtype=dtype or ("bf16" if geometry else COST_DTYPE.get(m.expert_format, "fp32")))
+                       dtype=dtype or ("bf16" if geometry else (cost_dtype(m.expert_format) or "fp32")))
     r = replay_batch(tr, cfg, batch)
     rh = replay_batch(tr, dataclasses.replace(cfg, cpu_experts="auto"), batch)
     need = sum(s["hits"].values())

@@ -45,7 +45,8 @@ def next_uses(flat):
 
 
 def replay(groups, *, policy, cap, scope, L, E, static_scores=None):
-    """Returns (hits, misses, max resident seen). policy: lru | belady | static | none."""
+    """Returns (hits, misses, max resident seen). policy: lru | belady | static | none | fifo
+    (first in, first out: a hit does not refresh)."""
     pools = {}
     flat = [(gi, layer * E + e) for gi, (_, layer, need) in enumerate(groups) for e in need]
     nu = next_uses(flat) if policy == "belady" else None
@@ -74,7 +75,7 @@ def replay(groups, *, policy, cap, scope, L, E, static_scores=None):
 
         def victim(protected):
             cands = [k for k in order if k not in protected]
-            if policy in ("lru", "none"):
+            if policy in ("lru", "none", "fifo"):
                 return cands[0]
             if policy == "belady":
                 return max(cands, key=lambda k: (pool["nu"][k], -k))

@@ -239,12 +239,12 @@ class Engine:
         per_req = [np.concatenate(r.routing) for r in reqs]
         ids = np.concatenate(per_req).astype(np.int64)                       # ids: [tokens, L, k]
         lens = [len(x) for x in per_req]
-        from ..quant import COST_DTYPE
+        from ..quant import cost_dtype
         m = self.store.m
         return Trace(ids=ids, seq_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
                      num_experts=self.model.cfg.num_experts, model=self.model.cfg.model_type,
                      layer_numbers=np.array(self.model.cfg.moe_layers), expert_bytes=m.blob_bytes,
-                     expert_dtype=COST_DTYPE.get(m.expert_format))
+                     expert_dtype=cost_dtype(m.expert_format))
 
     def summary(self) -> dict:
         steps = self.steps

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..quant import QUANTIZE_CHOICES, ExpertCodec, WeightFormat, dense_format_of, expert_weight_specs, get_format
+from ..quant import ExpertCodec, quantize_choices, WeightFormat, dense_format_of, expert_weight_specs, get_format
 from ..store.layout import StoreWriter
 from cache_policy.jsonfile import read_json
 
@@ -380,8 +380,8 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
     cfg = MoEConfig.from_hf(model_dir)
     raw_cfg = read_json(os.path.join(model_dir, "config.json"))
     sq = ShippedQuant(raw_cfg.get("quantization_config"), os.path.join(model_dir, "config.json"))
-    if quantize is not None and quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if quantize is not None and quantize not in quantize_choices():
+        raise ValueError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(quantize_choices())}")
     if quantize is not None and sq.method is not None:
         raise ValueError(f"{model_dir}: the checkpoint is already quantized ({sq.method}); its experts are stored as shipped - "
                          f"drop --quantize (re-quantizing quantized weights would only add error)")
@@ -416,7 +416,7 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
         if dt not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"{model_dir}: expert weights are {dt} without a quantization_config this tiered-moe reads; "
                              f"supported quant_method: {', '.join(QUANT_METHODS)}")
-        fmt = get_format(QUANTIZE_CHOICES[quantize]) if quantize else dense_format_of(dt)
+        fmt = get_format(quantize_choices()[quantize]) if quantize else dense_format_of(dt)
         source = f"quantized from {dense_format_of(dt).name}" if quantize else "float"
     try:
         weights = expert_weight_specs(H, I, fmt, bias_dtype)

@@ -11,61 +11,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from ..config import RuntimeConfig
 from .protocol import decode, encode
 
 
-@dataclass
-class EngineConfig:
-    model: str
-    device_budget: "int | None" = None
-    kv_cache_budget: int = 0
-    host_budget: "int | None" = None
-    policy: str = "reuse"
-    scope: str = "global"
-    prefetch: str = "none"
-    max_batch: int = 16
-    prefill_chunk: int = 64
-    threads: "int | None" = None
-    expert_budget: "int | None" = None   # bytes of device expert slots directly (instead of device_budget)
-    cache_bonus: float = 0.0
-    schedule: str = "fcfs"
-    max_active: "int | None" = None
-    cpu_experts: str = "0"               # 0 | N | auto: hybrid execution (ExpertStore)
-    prefetch_rule: str = "cost"          # cost | always (cache_policy.prefetch.PrefetchGate)
-    profile: "str | None" = None         # hardware profile of the cost decisions (default: cpu / h200)
-
-    def __post_init__(self) -> None:
-        if not os.path.isfile(os.path.join(self.model, "manifest.json")):
-            raise ValueError(f"--model {self.model!r}: not a store directory (no manifest.json); "
-                             f"run 'tiered-moe convert' first")
-        from cache_policy.policies import LIVE_POLICIES
-        from cache_policy.prefetch import LIVE_PREFETCHERS
-        if self.policy not in LIVE_POLICIES:
-            raise ValueError(f"--policy {self.policy!r}: use {', '.join(LIVE_POLICIES)}")
-        if self.scope not in ("layer", "global"):
-            raise ValueError(f"--scope {self.scope!r}: use layer or global")
-        if self.prefetch not in LIVE_PREFETCHERS:
-            raise ValueError(f"--prefetch {self.prefetch!r}: use {', '.join(LIVE_PREFETCHERS)}")
-        if self.max_batch < 1 or self.prefill_chunk < 1:
-            raise ValueError("--max-batch and --prefill-chunk must be at least 1")
-        if not self.cache_bonus >= 0:
-            raise ValueError(f"--cache-bonus must be >= 0, got {self.cache_bonus}")
-        if self.schedule not in ("fcfs", "expert-aware"):
-            raise ValueError(f"--schedule {self.schedule!r}: use fcfs or expert-aware")
-        if self.max_active is not None and self.max_active < self.max_batch:
-            raise ValueError(f"--max-active ({self.max_active}) must be at least --max-batch ({self.max_batch})")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {self.threads}")
-        from cache_policy.cost_model import load_profile
-        from cache_policy.keys import CpuExperts
-        from cache_policy.replay import PREFETCH_RULES
-        self.cpu_experts = str(CpuExperts.parse(self.cpu_experts))
-        if self.prefetch_rule not in PREFETCH_RULES:
-            raise ValueError(f"--prefetch-rule {self.prefetch_rule!r}: use {', '.join(PREFETCH_RULES)}")
-        if self.profile is not None:
-            load_profile(self.profile)
+# The engine process runs the one runtime configuration the command line built (runtime/config.py).
+EngineConfig = RuntimeConfig
 
 
 def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) -> int:
@@ -104,17 +57,12 @@ def _engine_stats(eng) -> dict:
 def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     import torch
     import zmq
-    from ..engine import Engine, FinishReason, SamplingParams
-    from ..model import load_model
+    from ..engine import FinishReason, SamplingParams
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, store = load_model(cfg.model, device_budget=cfg.device_budget, expert_budget=cfg.expert_budget, kv_cache_bytes=cfg.kv_cache_budget,
-                              host_budget=cfg.host_budget, policy=cfg.policy, scope=cfg.scope,
-                              cpu_experts=cfg.cpu_experts, profile=cfg.profile, max_batch=cfg.max_batch)
+    model, store = cfg.load()
     try:
-        eng = Engine(model, store, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk, prefetch=cfg.prefetch,
-                     cache_bonus=cfg.cache_bonus, schedule=cfg.schedule, max_active=cfg.max_active,
-                     prefetch_rule=cfg.prefetch_rule, keep_records=False)
+        eng = cfg.engine(model, store, keep_records=False)
         mc = model.cfg
         push.send(encode("ready", model=os.path.basename(os.path.abspath(cfg.model)), vocab_size=mc.vocab_size,
                          max_context=eng.max_context, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,

@@ -30,7 +30,7 @@ import torch
 
 from cache_policy import cost_model as cm
 from cache_policy.keys import LINKS, SCOPES, TIERS, CpuExperts
-from cache_policy.placement import TieredPlacement
+from cache_policy.placement import Moves, TieredPlacement
 from cache_policy.policies import LRU, POLICIES, check_policy_name
 
 from .layout import ALIGN, Manifest, _DTYPES
@@ -163,12 +163,11 @@ class Fetch:
             return
         base = self.layer * self.store.m.num_experts
         host = [e for e in self.experts if e in self.host]
-        for j, (keys, new, ev) in enumerate(self.plan):
+        for j, w in enumerate(self.plan):
             if j > 0:
                 self.pending.update({k - base: f for k, f in self.store._apply(
-                    {"device_evicted": ev, "host_evicted": [], "from_disk": [], "loaded": new},
-                    self.store.demand_pool).items()})
-            wave = [k - base for k in keys] + (host if j == 0 else [])
+                    Moves(loaded=w.loaded, device_evicted=w.evicted), self.store.demand_pool).items()})
+            wave = [k - base for k in w.keys] + (host if j == 0 else [])
             yield [e for e in wave if e not in self.pending] + [e for e in wave if e in self.pending]
 
     def tensors(self, expert: int) -> dict:
@@ -312,21 +311,21 @@ class ExpertStore:
         else:
             dst.copy_(self.host.data[hslot])
 
-    def _apply(self, d: dict, pool: ThreadPoolExecutor) -> dict:
+    def _apply(self, d: Moves, pool: ThreadPoolExecutor) -> dict:
         """Carry out a placement decision: free evicted slots, start the loads."""
-        for k in d["device_evicted"]:
+        for k in d.device_evicted:
             self._settle(k)
             self.dev.release(k)
-        for k in d["host_evicted"]:
+        for k in d.host_evicted:
             self._settle(k)
             self.host.release(k)
-        from_disk = set(d["from_disk"])
+        from_disk = set(d.from_disk)
         started = {}
         handover = None
-        if self.copy_stream is not None and d["loaded"]:
+        if self.copy_stream is not None and d.loaded:
             handover = torch.cuda.Event()
             handover.record(torch.cuda.current_stream(self.device))
-        for k in d["loaded"]:
+        for k in d.loaded:
             if k in from_disk:
                 self.host.alloc(k)
             self.dev.alloc(k)
@@ -334,7 +333,7 @@ class ExpertStore:
             self.inflight[k] = fut
             started[k] = fut
         nbytes = self.m.blob_bytes
-        self.stats.bytes["host_to_device"] += len(d["loaded"]) * nbytes
+        self.stats.bytes["host_to_device"] += len(d.loaded) * nbytes
         self.stats.bytes["disk_to_host"] += len(from_disk) * nbytes
         return started
 
@@ -375,7 +374,7 @@ class ExpertStore:
             raise ValueError(f"layer {layer}: expert ids must be in [0, {m.num_experts}), got {experts}")
         if not 0 <= layer < m.num_layers:
             raise ValueError(f"layer {layer} out of range: the store has {m.num_layers} MoE layers")
-        pool_cap = self.placement.device[layer].capacity
+        pool_cap = self.placement.device_capacity(layer)
         if len(experts) > pool_cap and not self._host_holds_all:
             raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the device tier holds {pool_cap}: "
                              f"waves need a host tier that holds every expert; raise the device or host budget")
@@ -383,26 +382,26 @@ class ExpertStore:
         cnt = [cmap[e] for e in experts] if counts is not None else None
         d = self.placement.access_detail(layer, keys, t, counts=cnt)
         self._cancel_prefetches(layer, set(keys))
-        host = frozenset(k - layer * m.num_experts for k in d["host"])
+        host = frozenset(k - layer * m.num_experts for k in d.host)
         self.stats.computed["host"] += len(host)
         self.stats.computed["device"] += len(keys) - len(host)
-        self._last_layer = (experts, cnt, host, len(d["misses"]))
+        self._last_layer = (experts, cnt, host, len(d.misses))
         self.stats.requests += 1
-        self.stats.waves += d["waves"] - 1
-        self.stats.hits["device"] += d["hits"]
-        self.stats.hits["disk"] += len(d["from_disk"])
-        self.stats.hits["host"] += len(keys) - d["hits"] - len(d["from_disk"])   # moved or computed on the host
+        n_disk = len(d.moves.from_disk)
+        self.stats.waves += d.waves - 1
+        self.stats.hits["device"] += d.hits
+        self.stats.hits["disk"] += n_disk
+        self.stats.hits["host"] += len(keys) - d.hits - n_disk   # moved or computed on the host
         lh = self.stats.layer_hits[layer]
-        lh[0] += d["hits"]
-        lh[1] += len(keys) - d["hits"] - len(d["from_disk"])
-        lh[2] += len(d["from_disk"])
-        plan = d["wave_plan"]
+        lh[0] += d.hits
+        lh[1] += len(keys) - d.hits - n_disk
+        lh[2] += n_disk
+        plan = d.wave_plan
         if plan is not None:
-            keys, new, ev = plan[0]
-            started = self._apply({"device_evicted": ev, "host_evicted": [], "from_disk": [], "loaded": new},
-                                  self.demand_pool)
+            first = plan[0]
+            started = self._apply(Moves(loaded=first.loaded, device_evicted=first.evicted), self.demand_pool)
             return Fetch(self, layer, experts, {k - layer * m.num_experts: f for k, f in started.items()}, plan, host)
-        started = self._apply({**d, "loaded": d["misses"]}, self.demand_pool)
+        started = self._apply(d.moves, self.demand_pool)
         pending = {}
         for e, k in zip(experts, keys):
             fut = started.get(k) or self.inflight.get(k)
@@ -439,11 +438,9 @@ class ExpertStore:
             if k in needed or not fut.cancel():
                 continue
             self.inflight.pop(k, None)
-            pl = self.placement
-            pl.pending.discard(k)
+            self.placement.cancel_prefetch(k)
             if k in self.dev.slot_of:
                 self.dev.release(k)
-            pl.device[layer].remove(k)
             self.stats.prefetch_cancelled += 1
             self.stats.bytes["host_to_device"] -= self.m.blob_bytes   # counted when it was issued
 
@@ -456,15 +453,13 @@ class ExpertStore:
         keys = [layer * E + int(e) for e in experts]
         d = self.placement.prefetch_detail(layer, keys, t, set(protect or ()))
         started = self._apply(d, self.prefetch_pool)
-        disk = set(d["from_disk"])    # a half-read host slot must not be dropped: only host->device copies are cancelled
+        disk = set(d.from_disk)    # a half-read host slot must not be dropped: only host->device copies are cancelled
         self._prefetching.update({k: f for k, f in started.items() if k not in disk})
-        self.stats.prefetch_loaded += len(d["loaded"])
-        return len(d["loaded"])
+        self.stats.prefetch_loaded += len(d.loaded)
+        return len(d.loaded)
 
     def invalidate(self, key: int) -> None:
         """Drop an expert whose load failed from every tier (placement and slots)."""
-        E = self.m.num_experts
-        layer = key // E
         fut = self.inflight.pop(key, None)
         if fut is not None:
             try:
@@ -472,14 +467,11 @@ class ExpertStore:
             except Exception:  # noqa: BLE001 - the failure is being reported by the caller
                 pass
         self.stats.load_errors += 1
-        pl = self.placement
-        pl.pending.discard(key)
+        self.placement.invalidate(key)
         if key in self.dev.slot_of:
             self.dev.release(key)
-        pl.device[layer].remove(key)
-        if pl.host is not None and key in self.host.slot_of:
+        if self.placement.host is not None and key in self.host.slot_of:
             self.host.release(key)
-            pl.host[layer].remove(key)
 
     def end_step(self) -> None:
         for p in self.placement.unique_pools("device"):
@@ -496,14 +488,14 @@ class ExpertStore:
 
     def device_capacity(self, layer: int = 0) -> int:
         """Experts the device tier can hold for ``layer`` (its pool's capacity)."""
-        return self.placement.device[layer].capacity
+        return self.placement.device_capacity(layer)
 
     def displaced_reuse(self, layer: int) -> float:
         """The chance a resident that a prefetch into ``layer`` displaces is needed again: the device
         hit rate so far when the layer's pool is full, else 0 (nothing is displaced)."""
-        st, pool = self.stats, self.placement.device[layer]
+        st = self.stats
         acc = sum(st.hits.values())
-        return st.hits["device"] / acc if acc and len(pool.resident) >= pool.capacity else 0.0
+        return st.hits["device"] / acc if acc and self.placement.device_full(layer) else 0.0
 
     def record_host_compute(self, seconds: float) -> None:
         """Wall time the model spent computing experts on the host (hybrid execution)."""

@@ -1,0 +1,83 @@
+"""The one runtime configuration: what ``generate``, ``serve`` (and its engine process) and
+``load_model`` + ``Engine`` need, validated once at construction against the registries (policies,
+prefetchers, scopes, schedules, prefetch rules, profiles), built from the command line and sent to
+the engine process as a plain dict (``dataclasses.asdict``)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class RuntimeConfig:
+    model: str
+    device_budget: "int | None" = None
+    kv_cache_budget: int = 0
+    host_budget: "int | None" = None
+    policy: str = "reuse"
+    scope: str = "global"
+    prefetch: str = "none"
+    max_batch: int = 16
+    prefill_chunk: int = 64
+    threads: "int | None" = None
+    expert_budget: "int | None" = None   # bytes of device expert slots directly (instead of device_budget)
+    cache_bonus: float = 0.0
+    schedule: str = "fcfs"
+    max_active: "int | None" = None
+    cpu_experts: str = "0"               # 0 | N | auto: hybrid execution (ExpertStore)
+    prefetch_rule: str = "cost"          # cost | always (cache_policy.prefetch.PrefetchGate)
+    profile: "str | None" = None         # hardware profile of the cost decisions (default: cpu / h200)
+
+    def __post_init__(self) -> None:
+        from cache_policy.cost_model import load_profile
+        from cache_policy.keys import SCOPES, CpuExperts
+        from cache_policy.policies import live_policies
+        from cache_policy.prefetch import LIVE_PREFETCHERS
+        from cache_policy.replay import PREFETCH_RULES
+        from .engine.scheduler import SCHEDULES
+        if not os.path.isfile(os.path.join(self.model, "manifest.json")):
+            raise ValueError(f"--model {self.model!r}: not a store directory (no manifest.json); "
+                             f"run 'tiered-moe convert' first")
+        if self.policy not in live_policies():
+            raise ValueError(f"--policy {self.policy!r}: use {', '.join(live_policies())}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"--scope {self.scope!r}: use {' or '.join(SCOPES)}")
+        if self.prefetch not in LIVE_PREFETCHERS:
+            raise ValueError(f"--prefetch {self.prefetch!r}: use {', '.join(LIVE_PREFETCHERS)}")
+        if self.max_batch < 1 or self.prefill_chunk < 1:
+            raise ValueError("--max-batch and --prefill-chunk must be at least 1")
+        if not self.cache_bonus >= 0:
+            raise ValueError(f"--cache-bonus must be >= 0, got {self.cache_bonus}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r}: use {' or '.join(SCHEDULES)}")
+        if self.max_active is not None and self.max_active < self.max_batch:
+            raise ValueError(f"--max-active ({self.max_active}) must be at least --max-batch ({self.max_batch})")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
+        self.cpu_experts = str(CpuExperts.parse(self.cpu_experts))
+        if self.prefetch_rule not in PREFETCH_RULES:
+            raise ValueError(f"--prefetch-rule {self.prefetch_rule!r}: use {', '.join(PREFETCH_RULES)}")
+        if self.profile is not None:
+            load_profile(self.profile)
+
+    def load(self, progress: bool = False):
+        """The model and its store, as configured: (model, store)."""
+        import torch
+
+        from .model import load_model
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        return load_model(self.model, device_budget=self.device_budget, expert_budget=self.expert_budget,
+                          kv_cache_bytes=self.kv_cache_budget, host_budget=self.host_budget, policy=self.policy,
+                          scope=self.scope, cpu_experts=self.cpu_experts, profile=self.profile,
+                          max_batch=self.max_batch, progress=progress)
+
+    def engine(self, model, store, *, max_batch: "int | None" = None, keep_records: bool = True):
+        """The engine over ``model`` and ``store``; ``max_batch`` lowers the configured one (generate
+        knows its batch)."""
+        from .engine import Engine
+        batch = min(self.max_batch, max_batch or self.max_batch)
+        max_active = None if self.max_active is None else max(self.max_active, batch)
+        return Engine(model, store, max_batch=batch, prefill_chunk=self.prefill_chunk, prefetch=self.prefetch,
+                      cache_bonus=self.cache_bonus, schedule=self.schedule, max_active=max_active,
+                      prefetch_rule=self.prefetch_rule, keep_records=keep_records)
