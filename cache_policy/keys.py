@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 SCOPES = ("layer", "global")
+# How the live engine picks each step's requests (runtime/engine/scheduler.py).
+SCHEDULES = ("fcfs", "expert-aware")
 
 
 class ExpertKey(NamedTuple):

@@ -145,19 +145,15 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
     L, E, k = trace.num_layers, trace.num_experts, trace.top_k
     size = _expert_size(trace, cfg)
     dev_slots, host_slots = device_slots_for(trace, cfg, size["bytes"])
-    sched = continuous_batches(trace.seq_offsets, batch)
-    groups = build_groups(trace, sched)
-    G = len(groups.ptr) - 1
+    groups = build_groups(trace, continuous_batches(trace.seq_offsets, batch))
     future = _Future(groups) if (cfg.policy == "belady" or cfg.prefetch == "oracle") else None
     factory = make_policy_factory(trace, cfg, future, batch)
-    host_factory = LRU if cfg.policy == "none" else factory
-    prof = cfg.cost_profile
-    nbytes, params = size["bytes"], size["params"]
-    cost = cm.HybridCost(prof, params, nbytes)
+    cost = cm.HybridCost(cfg.cost_profile, size["params"], size["bytes"])
     if cfg.cpu.layers > L:
         raise ValueError(f"--cpu-experts {cfg.cpu.layers}: the trace has {L} MoE layers")
     place = TieredPlacement(num_layers=L, num_experts=E, scope=cfg.scope, device_slots=dev_slots,
-                            host_slots=host_slots, policy_factory=factory, host_policy_factory=host_factory,
+                            host_slots=host_slots, policy_factory=factory,
+                            host_policy_factory=LRU if cfg.policy == "none" else factory,
                             hybrid=cost if cfg.cpu.auto else None, cpu_layers=cfg.cpu.layers)
     warm = place.warm_start()
     budget = cfg.prefetch_budget or k
@@ -166,16 +162,25 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                              link_s=cost.t_link, saving_s=cost.prefetch_saving(cfg.cpu.auto),
                              fit_trace=cfg.fit_trace if cfg.prefetch == "transition" else None,
                              model_path=cfg.transition_model)
-    pf, gate = ctl.pf, ctl.gate
     wants = factory().wants if cfg.policy != "belady" else "next_use"
+    run = _run_groups(groups, place, ctl, cost, future, wants, cfg, L, E, budget, progress)
+    run["wall"] = time.perf_counter() - t_start
+    return _report(trace, cfg, int(batch), groups, place, ctl, size, run,
+                   dict(dev_slots=dev_slots, host_slots=host_slots, warm=warm, budget=budget))
+
+
+def _run_groups(groups: Groups, place, ctl, cost, future, wants, cfg: ReplayConfig, L, E, budget, progress) -> dict:
+    """Every group through placement (and the prefetch controller), in chunks of 64k groups.
+    Returns the flat per-group records, the prefetch loads landing per group and the host seconds."""
+    G = len(groups.ptr) - 1
     aux_all = groups.weights() if wants == "weights" else (groups.next_use() if wants == "next_use" else None)
-    weights_all = groups.weights() if pf is not None else None
+    weights_all = groups.weights() if ctl.active else None
     rec = array("q")              # flat, per group: device hits, host hits, disk loads, waves, prefetch used, host computed
     pref = np.zeros((G + 1, 2), dtype=np.int64)   # prefetch loads landing for group g: (from host, from disk)
     host_sec = np.zeros((G + 1, 2))               # per group: host compute s, device compute s it replaced
     ptr = groups.ptr.tolist()
     CH = 1 << 16
-    simple = pf is None and place.host is None and cfg.policy != "none" and not cfg.cpu.enabled
+    simple = not ctl.active and place.host is None and cfg.policy != "none" and not cfg.cpu.enabled
     for c0 in range(0, G, CH):
         c1 = min(G, c0 + CH)
         pa, pb = ptr[c0], ptr[min(G, c1 + 1)]  # one group beyond, for prefetch scoring
@@ -190,23 +195,15 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                      rec, pref, host_sec)
         if progress is not None:
             progress(c1, G)
-    pred_hit, pred_n, pred_need = ctl.correct, ctl.predicted, ctl.needed
-    wall = time.perf_counter() - t_start
+    return {"R": np.frombuffer(rec, dtype=np.int64).reshape(G, 6), "pref": pref[:G], "host_sec": host_sec[:G]}
 
-    R = np.frombuffer(rec, dtype=np.int64).reshape(G, 6)
-    dev_hits, host_hits, disk, waves, used, host_computed = R.T
-    pref = pref[:G]
+
+def _projection(groups: Groups, prof, params: int, nbytes: int, L: int, run: dict) -> dict:
+    """Step times projected by the cost model (serial and overlapped links) and all-resident ones."""
+    G = len(groups.ptr) - 1
+    dev_hits, _, disk, _, _, host_computed = run["R"].T
+    pref, host_sec = run["pref"], run["host_sec"]
     sizes = np.diff(groups.ptr)
-    acc = int(sizes.sum())
-    dh, hh, dk = int(dev_hits.sum()), int(host_hits.sum()), int(disk.sum())
-    dev_miss = acc - dh
-    T = trace.num_tokens
-    per_layer_acc = sizes.reshape(-1, L).sum(0)
-    per_layer_dev = dev_hits.reshape(-1, L).sum(0)
-    per_layer_host = host_hits.reshape(-1, L).sum(0)
-    n_host = int(host_computed.sum())
-    h2d_experts = dev_miss - n_host + int(pref.sum())
-    disk_experts = dk + int(pref[:, 1].sum())
     # Compute time of an expert depends only on its token count (at most the batch): look it up.
     per_count = prof.compute_seconds(np.arange(int(groups.count.max()) + 1), params)
     if (groups.count == 1).all():
@@ -215,15 +212,39 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
         gid = np.repeat(np.arange(G), sizes)
         compute = np.bincount(gid, weights=per_count[groups.count], minlength=G)
     ideal = compute.reshape(-1, L).sum(1) + prof.non_expert_us_per_layer * 1e-6 * L
-    demand_h2d = sizes - dev_hits - host_computed
     times = cm.project_step_times(profile=prof, params=params, nbytes=nbytes, num_layers=L,
-                                  compute_s=np.maximum(compute - host_sec[:G, 1], 0.0), demand_h2d=demand_h2d,
-                                  demand_disk=disk, pref_h2d=pref.sum(1), pref_disk=pref[:, 1], host_s=host_sec[:G, 0])
+                                  compute_s=np.maximum(compute - host_sec[:, 1], 0.0),
+                                  demand_h2d=sizes - dev_hits - host_computed, demand_disk=disk,
+                                  pref_h2d=pref.sum(1), pref_disk=pref[:, 1], host_s=host_sec[:, 0])
+    return {"times": times, "ideal": ideal}
+
+
+def _report(trace: Trace, cfg: ReplayConfig, batch: int, groups: Groups, place, ctl, size: dict, run: dict,
+            slots: dict) -> dict:
+    L, E = trace.num_layers, trace.num_experts
+    prof, nbytes, params = cfg.cost_profile, size["bytes"], size["params"]
+    G = len(groups.ptr) - 1
+    dev_hits, host_hits, disk, waves, used, host_computed = run["R"].T
+    pref, host_sec, wall = run["pref"], run["host_sec"], run["wall"]
+    sizes = np.diff(groups.ptr)
+    acc = int(sizes.sum())
+    dh, hh, dk = int(dev_hits.sum()), int(host_hits.sum()), int(disk.sum())
+    dev_miss = acc - dh
+    T = trace.num_tokens
+    per_layer_acc, per_layer_dev = sizes.reshape(-1, L).sum(0), dev_hits.reshape(-1, L).sum(0)
+    per_layer_host = host_hits.reshape(-1, L).sum(0)
+    n_host = int(host_computed.sum())
+    h2d_experts = dev_miss - n_host + int(pref.sum())
+    disk_experts = dk + int(pref[:, 1].sum())
+    proj = _projection(groups, prof, params, nbytes, L, run)
+    times = proj["times"]
     issued, pused, wasted = place.prefetch_issued, place.prefetch_used, place.prefetch_wasted
+    gate, pf_on = ctl.gate, ctl.active
+    dev_slots, host_slots = slots["dev_slots"], slots["host_slots"]
     return {
-        "trace": trace.source, "model": trace.model, "batch": int(batch), "policy": cfg.policy, "scope": cfg.scope,
-        "prefetch": cfg.prefetch, "prefetch_budget": budget if pf is not None else 0,
-        "prefetch_rule": cfg.prefetch_rule if pf is not None else None, "cpu_experts": str(cfg.cpu),
+        "trace": trace.source, "model": trace.model, "batch": batch, "policy": cfg.policy, "scope": cfg.scope,
+        "prefetch": cfg.prefetch, "prefetch_budget": slots["budget"] if pf_on else 0,
+        "prefetch_rule": cfg.prefetch_rule if pf_on else None, "cpu_experts": str(cfg.cpu),
         "device_capacity": cfg.device_capacity, "host_capacity": cfg.host_capacity or "all",
         "device_slots": dev_slots, "host_slots": host_slots if host_slots is not None else L * E if cfg.scope == "global" else E,
         "slots_are": "per layer" if cfg.scope == "layer" else "in total",
@@ -236,10 +257,10 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
         "unique_experts_per_layer_step": acc / G,
         "mean_batch": float(T / groups.num_steps),
         "host_compute": {"experts": n_host, "share": n_host / acc,
-                         "seconds_per_token": float(host_sec[:G, 0].sum() / T)},
+                         "seconds_per_token": float(host_sec[:, 0].sum() / T)},
         "waves": {"groups_over_capacity": int((waves > 1).sum()), "extra_waves": int((waves - 1).sum())},
         "bytes_per_token": {"host_to_device": h2d_experts * nbytes / T, "disk_to_host": disk_experts * nbytes / T},
-        "experts_moved": {"host_to_device": h2d_experts, "disk_to_host": disk_experts, "warm_start": warm},
+        "experts_moved": {"host_to_device": h2d_experts, "disk_to_host": disk_experts, "warm_start": slots["warm"]},
         "evictions": {"device": place.device_evictions, "host": place.host_evictions,
                       "back_invalidations": place.back_invalidations},
         "prefetch_stats": {
@@ -249,8 +270,7 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
             "gate_moved": gate.moved if gate is not None else None,
             "precision": (pused / issued) if issued else None,
             "recall": (pused / (pused + dev_miss)) if (pused + dev_miss) else None,
-            "prediction_precision": (pred_hit / pred_n) if pred_n else None,
-            "prediction_recall": (pred_hit / pred_need) if pred_need else None,
+            **{f"prediction_{k}": v for k, v in ctl.precision_recall().items()},
         },
         "expert_bytes": nbytes, "expert_params": params, "expert_size_source": size["source"],
         "profile": prof.name,
@@ -259,7 +279,7 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
             "step_ms_overlap": float(times["overlap"].mean() * 1e3),
             "tokens_per_s_serial": float(T / times["serial"].sum()),
             "tokens_per_s_overlap": float(T / times["overlap"].sum()),
-            "tokens_per_s_all_resident": float(T / ideal.sum()),
+            "tokens_per_s_all_resident": float(T / proj["ideal"].sum()),
             "h2d_ms_per_expert": times["h2d_seconds_per_expert"] * 1e3,
             "h2d_GBps": prof.h2d_GBps(nbytes),
         },

@@ -99,15 +99,18 @@ class Engine:
                              f"expert, or lower --max-batch to {max(1, step_tokens)}")
         return step_tokens
 
-    # The scheduler's queues and figures, for callers that watch the engine.
-    max_batch = property(lambda self: self.scheduler.max_batch)
-    max_active = property(lambda self: self.scheduler.max_active)
-    prefill_chunk = property(lambda self: self.scheduler.prefill_chunk)
-    schedule = property(lambda self: self.scheduler.schedule_kind)
-    step_tokens = property(lambda self: self.scheduler.step_tokens)
-    waiting = property(lambda self: self.scheduler.waiting)
-    running = property(lambda self: self.scheduler.running)
-    preemptions = property(lambda self: self.scheduler.preemptions)
+    _SCHEDULER_VIEW = frozenset(("max_batch", "max_active", "prefill_chunk", "step_tokens", "waiting", "running",
+                                 "preemptions"))
+
+    def __getattr__(self, name: str):
+        # The scheduler's queues and figures, read-only, for callers that watch the engine.
+        if name in Engine._SCHEDULER_VIEW and "scheduler" in self.__dict__:
+            return getattr(self.scheduler, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def schedule(self) -> str:
+        return self.scheduler.schedule_kind
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: list, params: "SamplingParams | None" = None) -> int:

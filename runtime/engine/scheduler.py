@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from cache_policy.keys import SCHEDULES
+
 from ..model.layers.cache import BlockManager, Sequence
 from .request import FinishReason, Request, SchedulerOutput, StepOutput, sample
-
-SCHEDULES = ("fcfs", "expert-aware")
 
 
 class Scheduler:

@@ -29,115 +29,11 @@ import time
 import uuid
 
 from .chat import ChatFormatter
+from .params import ApiError, Detokenizer, number, refuse_unsupported, stop_strings
 from .client import EngineClient, EngineError
 from .metrics import ServerMetrics
 
 MAX_BODY = 8 << 20
-INT64 = 1 << 63           # integers that cross the msgpack wire as int64
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: "str | None" = None, code: "str | None" = None,
-                 type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# -- request validation --------------------------------------------------------------------------
-def _num(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_open=False):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:80]}",
-                       param=name)
-    if not integer and v != v or v in (float("inf"), float("-inf")):
-        raise ApiError(400, f"'{name}' must be a finite number", param=name)
-    if integer and not -INT64 <= v < INT64:
-        raise ApiError(400, f"'{name}' must fit in a signed 64-bit integer, got {v}", param=name)
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ApiError(400, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", param=name)
-    if hi is not None and v > hi:
-        raise ApiError(400, f"'{name}' must be <= {hi}, got {v}", param=name)
-    return v
-
-
-def _stops(body: dict) -> list:
-    s = body.get("stop")
-    if s is None:
-        return []
-    if isinstance(s, str):
-        s = [s]
-    if not isinstance(s, list) or not all(isinstance(x, str) and x for x in s) or len(s) > 4:
-        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 non-empty strings", param="stop")
-    return s
-
-
-def _unsupported(body: dict) -> None:
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported", param="echo")
-    for name in ("logprobs", "top_logprobs", "best_of"):
-        if body.get(name) not in (None, False, 0, 1 if name == "best_of" else 0):
-            raise ApiError(400, f"'{name}' is not supported", param=name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise ApiError(400, f"'{name}' is not supported (only 0)", param=name)
-
-
-class Detokenizer:
-    """Token ids -> text deltas, incrementally: each token decodes only a short window of the
-    latest ids (from ``prefix``, a few tokens back, so merges across token boundaries come out
-    right), never the whole output again. Holds back a trailing incomplete UTF-8 sequence (decoded
-    as U+FFFD) and, with stop strings, the last few characters that could start one."""
-
-    def __init__(self, tok, stops: list) -> None:
-        self.tok, self.stops = tok, stops
-        self.ids: list = []
-        self.prefix = 0          # ids[prefix:read] decode to text already appended
-        self.read = 0
-        self.text = ""           # everything decoded so far
-        self.sent = 0            # characters of text already returned
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def _decode_new(self) -> None:
-        prev = self.tok.decode(self.ids[self.prefix:self.read])
-        cur = self.tok.decode(self.ids[self.prefix:])
-        if cur.endswith("\ufffd"):
-            return                                   # an incomplete character: wait for more tokens
-        self.text += cur[len(prev):]
-        self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
-
-    def push(self, tid: int) -> "tuple[str, bool]":
-        """Returns (delta, hit a stop string)."""
-        self.ids.append(tid)
-        self._decode_new()
-        for s in self.stops:
-            i = self.text.find(s, max(0, self.sent - len(s)))
-            if i >= 0:
-                self.text = self.text[:i]
-                return self._flush(), True
-        end = len(self.text) - self.hold
-        if end <= self.sent:
-            return "", False
-        d = self.text[self.sent:end]
-        self.sent = end
-        return d, False
-
-    def _flush(self) -> str:
-        d = self.text[self.sent:]
-        self.sent = len(self.text)
-        return d
-
-    def finish(self) -> str:
-        if self.read < len(self.ids):                # a trailing incomplete character: as U+FFFD
-            self.text += self.tok.decode(self.ids[self.prefix:])[len(self.tok.decode(self.ids[self.prefix:self.read])):]
-            self.read = len(self.ids)
-        return self._flush()
 
 
 class Server:
@@ -221,16 +117,16 @@ class Server:
         if max_tokens is None:
             max_tokens = min(default_max, room) if default_max else room
         else:
-            max_tokens = _num({name: max_tokens}, name, None, lo=1, integer=True)
+            max_tokens = number({name: max_tokens}, name, None, lo=1, integer=True)
         if prompt_len + max_tokens > self.max_context:
             raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens. However, you "
                                 f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                                 f"for the completion).", param="messages" if "messages" in body else "prompt",
                            code="context_length_exceeded")
-        temp = _num(body, "temperature", 1.0, lo=0, hi=2)
-        top_p = _num(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
-        top_k = _num(body, "top_k", 0, lo=-1, integer=True)
-        seed = _num(body, "seed", None, integer=True)
+        temp = number(body, "temperature", 1.0, lo=0, hi=2)
+        top_p = number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
+        top_k = number(body, "top_k", 0, lo=-1, integer=True)
+        seed = number(body, "seed", None, integer=True)
         return {"max_tokens": int(max_tokens), "temperature": float(temp), "top_p": float(top_p),
                 "top_k": 0 if top_k == -1 else int(top_k), "seed": seed}
 
@@ -459,7 +355,7 @@ class _Routes:
         self.auth(request)
         body = await self.body(request)
         a.check_model(body)
-        _unsupported(body)
+        refuse_unsupported(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", param="stream")
@@ -467,7 +363,7 @@ class _Routes:
         if not isinstance(so, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
         include_usage = bool(so.get("include_usage", False))
-        stops = _stops(body)
+        stops = stop_strings(body)
         # Tokenizing (and rendering a chat template) can take a while: off the event loop.
         prompt = await run_in_threadpool(a.chat_prompt if chat else a.completion_prompt, body)
         params = a.sampling(body, len(prompt), None if chat else 16)

@@ -189,12 +189,13 @@ class PagedKV:
                 n += t.numel() * t.element_size()
         return n
 
-    # The manager's figures, for callers that hold the cache.
-    num_blocks = property(lambda self: self.manager.num_blocks)
-    block_size = property(lambda self: self.manager.block_size)
-    state_slots = property(lambda self: self.manager.state_slots)
-    free_blocks = property(lambda self: self.manager.free_blocks)
-    free_sequences = property(lambda self: self.manager.free_sequences)
+    _MANAGER_VIEW = frozenset(("num_blocks", "block_size", "state_slots", "free_blocks", "free_sequences"))
+
+    def __getattr__(self, name: str):
+        # The manager's figures, for callers that hold the cache (only those: no other attribute leaks).
+        if name in PagedKV._MANAGER_VIEW:
+            return getattr(self.manager, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def blocks_for(self, tokens: int) -> int:
         return self.manager.blocks_for(tokens)

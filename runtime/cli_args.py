@@ -1,0 +1,245 @@
+"""The ``tiered-moe`` command line: one function per subcommand's arguments. Every choice list is
+read from its registry (policies, prefetchers, scopes, schedules, prefetch rules, formats, profiles),
+so a registered entry appears here with no edit."""
+from __future__ import annotations
+
+import argparse
+
+from cache_policy import cost_model as cm
+from cache_policy.policies import POLICIES
+from cache_policy.prefetch import PREFETCHERS
+from cache_policy.synthetic import GEOMETRIES
+
+
+def _add_synthetic_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("synthetic trace (with --synthetic)")
+    g.add_argument("--geometry", default="small", help=f"layers x experts x top-k preset: {', '.join(GEOMETRIES)} (default small)")
+    g.add_argument("--layers", type=int, help="override the preset's MoE layer count")
+    g.add_argument("--experts", type=int, help="override the preset's routed experts per layer")
+    g.add_argument("--top-k", type=int, help="override the preset's experts per token")
+    g.add_argument("--sequences", type=int, default=64)
+    g.add_argument("--seq-len", type=int, default=64)
+    g.add_argument("--zipf", type=float, default=0.0, help="popularity skew s (0 = uniform)")
+    g.add_argument("--persistence", type=float, default=0.0, help="chance a slot re-uses the previous token's expert")
+    g.add_argument("--cross-layer", type=float, default=0.0, help="chance a slot follows a fixed path from the previous layer")
+    g.add_argument("--seed", type=int, default=0)
+
+
+class _QuantizeChoices:
+    """``convert --quantize`` names from the format registry, read when argparse asks (formats import
+    torch; replay and trace commands must not)."""
+
+    def _names(self):
+        from .quant import quantize_choices
+        return list(quantize_choices())
+
+    def __contains__(self, x):
+        return x in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __str__(self):
+        return ", ".join(self._names())
+
+
+def _default_workdir() -> str:
+    from .cli import _default_workdir as wd
+    return wd()
+
+
+def _add_cache_bonus(p) -> None:
+    p.add_argument("--cache-bonus", type=float, default=0.0,
+                   help="cache-aware routing: add this to the router logits of experts resident on the device "
+                        "(0 = off, the default; > 0 changes outputs: see bench/results/exp_cache_routing.md)")
+
+
+def _add_schedule(p) -> None:
+    from cache_policy.keys import SCHEDULES
+    p.add_argument("--schedule", default="fcfs", help=f"{' or '.join(SCHEDULES)} (fcfs: first come first served; "
+                                                       "expert-aware: each step runs the --max-batch active requests "
+                                                       "whose recent experts overlap most)")
+    p.add_argument("--max-active", type=int, default=None,
+                   help="requests holding a KV slot at once (expert-aware default: 4 x --max-batch)")
+
+
+def _add_tier_args(p) -> None:
+    p.add_argument("--device-budget", help="device memory for dense weights + KV cache + experts, e.g. 4GiB "
+                                           "(default: everything fits)")
+    p.add_argument("--kv-cache-budget", default="0B",
+                   help="memory of the KV cache, preallocated in blocks of 16 tokens; requests are admitted by free "
+                        "blocks and preempted (recomputed later) when out (default 0: --max-batch sequences of 1024 "
+                        "tokens, at least one whole context up to 8192)")
+    p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
+    from cache_policy.keys import SCOPES
+    from cache_policy.policies import live_policies
+    from cache_policy.prefetch import LIVE_PREFETCHERS
+    p.add_argument("--policy", default="reuse", help=f"one of {', '.join(live_policies())} (default reuse: predicted "
+                                                     "reuse, no collapse in a global pool at high batch)")
+    p.add_argument("--scope", default="global", help=" or ".join(SCOPES))
+    p.add_argument("--prefetch", default="none", help=", ".join(LIVE_PREFETCHERS))
+    _add_hybrid_args(p)
+
+
+def _add_hybrid_args(p, live: bool = True) -> None:
+    from cache_policy.replay import PREFETCH_RULES
+    p.add_argument("--cpu-experts", default="0",
+                   help="where experts not on the device are computed: 0 = moved to the device (default); N = every "
+                        "expert of the first N MoE layers stays on the host and is computed there (llama.cpp's "
+                        "--n-cpu-moe); auto = per expert per step, the cost model decides between moving it and "
+                        "computing it on the host CPU from host memory (without CUDA: always the host, no copy)")
+    p.add_argument("--prefetch-rule", default="cost",
+                   help=f"{' or '.join(PREFETCH_RULES)}; cost (default): prefetch an expert only when p(needed) x time saved exceeds the link time it "
+                        "takes from demand loads; always: every prediction up to the budget")
+    if live:
+        p.add_argument("--profile", default=None, help="hardware profile of those decisions (default: cpu without "
+                                                       "CUDA, h200 with it), or a profile JSON file")
+
+
+def _add_engine_args(p, max_batch: int) -> None:
+    p.add_argument("--max-batch", type=int, default=max_batch, help="sequences per step")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per sequence per step")
+    _add_threads(p)
+    _add_cache_bonus(p)
+    _add_schedule(p)
+
+
+def _add_threads(p) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for tensor ops (like llama.cpp's -t; default: torch's choice). On small "
+                        "models 1 is often fastest: see bench/results/decode_speed.md")
+
+
+
+def _demo(sub, commands: dict) -> None:
+    d = sub.add_parser("demo", help="the main job on an embedded default: a synthetic checkpoint at low and high batch")
+    d.add_argument("--workdir", default=_default_workdir(), help="where the checkpoint, store and results go")
+    d.add_argument("--device-fraction", type=float, default=0.25)
+    d.add_argument("--high-batch", type=int, default=32)
+    d.add_argument("--requests", type=int, default=32)
+    d.add_argument("--max-tokens", type=int, default=24)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--build-only", action="store_true", help="build the checkpoint and store, print the store path, stop")
+    d.add_argument("--shape", choices=("mixtral", "k3"), default="mixtral",
+                   help="mixtral: the default synthetic Mixtral-format model; k3: a scaled-down Kimi K3 shape (KDA:MLA 3:1, "
+                        "LatentMoE, 128 experts top-16, two shared experts, Block Attention Residuals, MXFP4 experts)")
+    _add_threads(d)
+    d.set_defaults(func=commands['demo'])
+
+
+def _regimes(sub, commands: dict) -> None:
+    rg = sub.add_parser("regimes", help="low-batch vs high-batch: hit rates, bytes, measured and projected tokens/s")
+    rg.add_argument("--model", help="store directory written by 'tiered-moe convert'")
+    rg.add_argument("--synthetic", help=f"no model: replay a synthetic trace of a geometry ({', '.join(GEOMETRIES)})")
+    rg.add_argument("--batch", default="1,4,16,64")
+    rg.add_argument("--policies", default="none,lru,lru+freq", help="comma-separated policy[+prefetch] items")
+    rg.add_argument("--device-fraction", type=float, default=0.25)
+    rg.add_argument("--requests", type=int, default=16)
+    rg.add_argument("--prompt-len", type=int, default=8)
+    rg.add_argument("--max-tokens", type=int, default=24)
+    rg.add_argument("--profile", default="h200")
+    rg.add_argument("--expert-geometry", default=None, help="project with this expert size instead of the model's")
+    rg.add_argument("--zipf", type=float, default=1.0)
+    rg.add_argument("--persistence", type=float, default=0.5)
+    rg.add_argument("--seed", type=int, default=0)
+    rg.add_argument("--out", default=None, help="path prefix for .json and .png")
+    _add_threads(rg)
+    _add_cache_bonus(rg)
+    rg.set_defaults(func=commands['regimes'])
+
+
+def _replay(sub, commands: dict) -> None:
+    r = sub.add_parser("replay", help="replay a routing trace through tier placement")
+    r.add_argument("--trace", help="routing trace .npz (layout: cache_policy/traces.py)")
+    r.add_argument("--synthetic", action="store_true", help="generate a trace instead (knobs below)")
+    r.add_argument("--policy", default="reuse", help=f"one or more, comma-separated: {', '.join(POLICIES)} "
+                                                     "(registered ones included)")
+    r.add_argument("--scope", default="global", help="layer (C slots per layer) or global (C slots in total)")
+    r.add_argument("--device-capacity", default="0.1", help="fraction of all experts (0.1), count (166) or size (24GiB)")
+    r.add_argument("--host-capacity", default=None, help="as --device-capacity; default: the host holds every expert")
+    r.add_argument("--prefetch", default="none", help=f"one or more, comma-separated: {', '.join(p for p in PREFETCHERS if p != 'lookahead')}")
+    r.add_argument("--prefetch-budget", type=int, default=None, help="experts prefetched per layer per step (default top-k)")
+    r.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,64")
+    r.add_argument("--profile", default="h200", help=f"hardware profile: {', '.join(cm.list_profiles())} or a JSON path")
+    r.add_argument("--dtype", default="bf16", help=f"expert weight dtype: {', '.join(cm.DTYPE_BITS)}")
+    r.add_argument("--expert-geometry", default=None, help=f"expert size preset: {', '.join(cm.EXPERT_GEOMETRY)} (default: from the trace's model)")
+    r.add_argument("--expert-bytes", type=int, default=None, help="bytes of one expert (overrides geometry and dtype)")
+    r.add_argument("--fit-trace", default=None, help="training trace for static's profile, transition's fit and reuse's statistics "
+                                                   "(reuse without it learns online)")
+    r.add_argument("--transition-model", default=None, help="transition prefetcher saved by 'tiered-moe prefetch fit'")
+    r.add_argument("--json", action="store_true", help="one JSON object per line, per batch size")
+    _add_hybrid_args(r, live=False)
+    _add_synthetic_args(r)
+    r.set_defaults(func=commands['replay'])
+
+
+def _convert(sub, commands: dict) -> None:
+    c = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint into the tiered store layout")
+    c.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
+    c.add_argument("--out", required=True, help="store directory to write")
+    c.add_argument("--quantize", choices=_QuantizeChoices(), default=None, metavar="FORMAT",
+                   help="quantize the experts of a float checkpoint to FORMAT: %(choices)s (shipped quantized "
+                        "checkpoints are read as they are)")
+    c.set_defaults(func=commands['convert'])
+
+
+def _generate(sub, commands: dict) -> None:
+    g = sub.add_parser("generate", help="generate text from a converted store")
+    g.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for several, decoded as a batch)")
+    g.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids (repeat for several)")
+    _add_tier_args(g)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--trace-out", help="write the routing trace (.npz) of this run")
+    g.add_argument("--json", action="store_true")
+    _add_engine_args(g, max_batch=16)
+    g.set_defaults(func=commands['generate'])
+
+
+def _serve(sub, commands: dict) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible server: HTTP front-end + engine process over ZeroMQ")
+    sv.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests (visible in ps: "
+                                                     "prefer TIERED_MOE_API_KEY or --api-key-file)")
+    sv.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    sv.add_argument("--timeout", type=float, default=60.0, help="seconds a client socket may stay silent (read or write)")
+    sv.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                    help="seconds without a message from the engine before it is killed and restarted")
+    sv.add_argument("--served-model-name", default=None, help="model id clients use (default: the store's name)")
+    _add_tier_args(sv)
+    sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the engine to load")
+    _add_engine_args(sv, max_batch=32)
+    sv.set_defaults(func=commands['serve'])
+
+
+def _trace(sub, commands: dict) -> None:
+    t = sub.add_parser("trace", help="routing trace tools")
+    tsub = t.add_subparsers(dest="trace_cmd", required=True)
+    ts = tsub.add_parser("stats", help="tokens, sequences, skew and reuse distances of a trace")
+    ts.add_argument("file")
+    ts.add_argument("--json", action="store_true")
+    ts.set_defaults(func=commands['trace stats'])
+
+
+def _prefetch(sub, commands: dict) -> None:
+    pf = sub.add_parser("prefetch", help="prefetcher tools")
+    psub = pf.add_subparsers(dest="prefetch_cmd", required=True)
+    fit = psub.add_parser("fit", help="fit a transition prefetcher on a training trace and save it")
+    fit.add_argument("--trace", required=True)
+    fit.add_argument("--out", required=True)
+    fit.set_defaults(func=commands['prefetch fit'])
+
+
+def build_parser(commands: dict) -> argparse.ArgumentParser:
+    """``commands``: subcommand name (``"trace stats"`` for nested ones) -> the function it runs."""
+    p = argparse.ArgumentParser(prog="tiered-moe", description="Tiered expert-offloading for MoE models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for add in (_demo, _regimes, _replay, _convert, _generate, _serve, _trace, _prefetch):
+        add(sub, commands)
+    return p
