@@ -256,6 +256,7 @@ class Engine:
         hits = {k: sum(s.hits[k] for s in steps) for k in TIERS}
         need = sum(hits.values())
         ttft = [r.first_token_time - r.arrival for r in self.done.values() if r.first_token_time]
+        snap = self.store.snapshot()
         return {"steps": len(steps), "generated_tokens": gen, "seconds": secs,
                 "tokens_per_s": gen / secs if secs else 0.0,
                 "decode_tokens_per_s": (sum(s.batch for s in steps if s.tokens == s.batch) /
@@ -265,7 +266,6 @@ class Engine:
                 "bytes": {k: sum(s.bytes[k] for s in steps) for k in LINKS},
                 "stall_seconds": sum(s.stall_seconds for s in steps),
                 "mean_unique_experts_per_layer": float(np.mean([np.mean(s.unique_experts) for s in steps])) if steps else 0.0,
-                "prefetch": {**self.prefetcher.precision_recall(), **self.store.snapshot()["prefetch"]},
-                "computed": dict(self.store.stats.computed),
-                "host_compute_seconds": self.store.stats.host_compute_seconds,
+                "prefetch": {**self.prefetcher.precision_recall(), **snap["prefetch"]},
+                "computed": snap["computed"], "host_compute_seconds": snap["host_compute_seconds"],
                 "device_is_stand_in": self.store.device_is_stand_in}

@@ -165,14 +165,14 @@ class Fetch:
         host = [e for e in self.experts if e in self.host]
         for j, w in enumerate(self.plan):
             if j > 0:
-                self.pending.update({k - base: f for k, f in self.store._apply(
+                self.pending.update({k - base: f for k, f in self.store.carry_out(
                     Moves(loaded=w.loaded, device_evicted=w.evicted), self.store.demand_pool).items()})
             wave = [k - base for k in w.keys] + (host if j == 0 else [])
             yield [e for e in wave if e not in self.pending] + [e for e in wave if e in self.pending]
 
     def tensors(self, expert: int) -> dict:
         if expert in self.host:
-            return self.store._views(self.layer * self.store.m.num_experts + expert, host=True)
+            return self.store.slot_views(self.layer * self.store.m.num_experts + expert, host=True)
         fut = self.pending.get(expert)
         if fut is not None:
             t0 = time.perf_counter()
@@ -183,7 +183,7 @@ class Fetch:
                 raise ExpertLoadError(f"layer {self.layer} expert {expert}: {e}") from None
             finally:
                 self.store.stats.stall_seconds += time.perf_counter() - t0
-        return self.store._views(self.layer * self.store.m.num_experts + expert)
+        return self.store.slot_views(self.layer * self.store.m.num_experts + expert)
 
     def wait(self) -> None:
         for e in self.pending:
@@ -278,7 +278,7 @@ class ExpertStore:
             bar.close()
         self.stats.bytes["disk_to_host"] += len(keys) * m.blob_bytes
 
-    def _views(self, key: int, host: bool = False) -> dict:
+    def slot_views(self, key: int, host: bool = False) -> dict:
         slab = self.host if host else self.dev
         slot = slab.slot_of[key]
         v = self._slot_views.get((host, slot))
@@ -311,7 +311,7 @@ class ExpertStore:
         else:
             dst.copy_(self.host.data[hslot])
 
-    def _apply(self, d: Moves, pool: ThreadPoolExecutor) -> dict:
+    def carry_out(self, d: Moves, pool: ThreadPoolExecutor) -> dict:
         """Carry out a placement decision: free evicted slots, start the loads."""
         for k in d.device_evicted:
             self._settle(k)
@@ -399,9 +399,9 @@ class ExpertStore:
         plan = d.wave_plan
         if plan is not None:
             first = plan[0]
-            started = self._apply(Moves(loaded=first.loaded, device_evicted=first.evicted), self.demand_pool)
+            started = self.carry_out(Moves(loaded=first.loaded, device_evicted=first.evicted), self.demand_pool)
             return Fetch(self, layer, experts, {k - layer * m.num_experts: f for k, f in started.items()}, plan, host)
-        started = self._apply(d.moves, self.demand_pool)
+        started = self.carry_out(d.moves, self.demand_pool)
         pending = {}
         for e, k in zip(experts, keys):
             fut = started.get(k) or self.inflight.get(k)
@@ -452,7 +452,7 @@ class ExpertStore:
         E = self.m.num_experts
         keys = [layer * E + int(e) for e in experts]
         d = self.placement.prefetch_detail(layer, keys, t, set(protect or ()))
-        started = self._apply(d, self.prefetch_pool)
+        started = self.carry_out(d, self.prefetch_pool)
         disk = set(d.from_disk)    # a half-read host slot must not be dropped: only host->device copies are cancelled
         self._prefetching.update({k: f for k, f in started.items() if k not in disk})
         self.stats.prefetch_loaded += len(d.loaded)
