@@ -1,4 +1,5 @@
 """Paths shared by the tests (import as `helpers`; conftest modules are not imported by name)."""
+import importlib
 import os
 
 import pytest
@@ -14,6 +15,25 @@ def shared_trace(name: str) -> str:
         pytest.fail(f"shared trace {path} is missing: the project expects ../shared/traces beside the checkout "
                     f"(or TIERED_MOE_SHARED pointing at shared/)")
     return path
+
+
+def require(module: str, why: str):
+    """A module that ``pip install -e '.[test]'`` installs: the module, or, where it is missing, a stand-in whose
+    first use fails the test using it (never a skip; tests that do not use it still run)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        return _Missing(f"{module} is missing ({e}); it is {why}: pip install -e '.[test]' installs it")
+
+
+class _Missing:
+    def __init__(self, message: str):
+        self._message = message
+
+    def __getattr__(self, name):
+        if name.startswith("__"):          # introspection (pytest's collection, hasattr, copy): a plain miss
+            raise AttributeError(name)
+        pytest.fail(self._message, pytrace=False)
 
 
 def check_against_transformers(ref, store_dir: str, frac: float, name: str) -> None:

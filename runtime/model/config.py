@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from cache_policy.jsonfile import read_json
 
 from .arch import ARCHITECTURES, module
+from .layers.router import ROUTERS
 
 SUPPORTED = tuple(ARCHITECTURES)
 LAYER_KINDS = ("full_attention", "linear_attention")   # what a layer's token mixer is (config.json layer_types)
 LINEAR_KINDS = ("kda", "gated_deltanet")   # Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5)
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 
 
 @dataclass
@@ -46,6 +46,7 @@ class MoEConfig:
     router_tensor: str = "gate.weight"  # the router under mlp_prefix
     correction_bias_tensor: str = "gate.e_score_correction_bias"   # sigmoid routers' selection bias under mlp_prefix
     lm_prefix: str = "model."          # where the checkpoint stores model.* (multimodal: model.language_model.)
+    lm_head_name: str = "lm_head.weight"   # where the checkpoint stores lm_head (Kimi K2.5: language_model.lm_head.weight)
     expert_tensors: tuple = ("gate_proj", "up_proj", "down_proj")   # expert N's gate / up / down under <mlp_prefix>experts.N.
     # Hybrid attention (Kimi-Linear): layers whose token mixer is Kimi Delta Attention (a fixed recurrent
     # state per sequence) instead of full attention (a cache that grows per token).
@@ -201,17 +202,19 @@ class MoEConfig:
                 raise ValueError(f"{source}: yarn RoPE needs original_max_position_embeddings")
             scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                                             "mscale", "mscale_all_dim", "attention_factor", "truncate") if k in rope}
-        E = int(need("num_local_experts", "num_experts", "n_routed_experts"))
+        E = int(need("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(x) for x in eos])
         common = dict(model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=H, num_layers=L, num_heads=heads,
                       num_kv_heads=kv, head_dim=head_dim, num_experts=E,
-                      top_k=int(need("num_experts_per_tok", "num_experts_per_token")),
+                      top_k=int(need("num_experts_per_tok", "num_experts_per_token", "moe_k")),
                       rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                       max_position_embeddings=int(d.get("max_position_embeddings") or d.get("model_max_length") or 4096),
                       eos_token_ids=eos, bos_token_id=d.get("bos_token_id"), source=source,
                       rotary_dim=int(head_dim * partial) if partial != 1.0 else 0)
+        # A multimodal release's language model (arch language_model): where its tensors are stored.
+        common.update({k: d[k] for k in ("lm_prefix", "lm_head_name") if k in d})
         # Sliding-window attention, by transformers' rule for the architecture (its module's
         # sliding_layers: which layers, [] when the config leaves it off, None when unsupported).
         window = int(d.get("sliding_window") or 0)

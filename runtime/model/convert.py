@@ -2,7 +2,9 @@
 
 Reads ``config.json`` and ``*.safetensors`` (sharded with ``model.safetensors.index.json`` or a
 single file), tensor by tensor: an expert's three matrices are read, written as one blob, and
-dropped, so a model larger than RAM converts. Dense weights go to ``dense.safetensors``.
+dropped, so a model larger than RAM converts (a layer's experts fused into two float tensors, as
+Qwen3-VL ships them, are read a layer at a time). Dense weights go to ``dense.safetensors``; an
+architecture module's ``convert_dense`` may reorder them (ERNIE 4.5's interleaved-RoPE q/k rows).
 
 Quantized checkpoints (``quantization_config`` in config.json) are read as shipped:
 - ``fp8`` (DeepSeek-V3 / V3.2, Qwen FP8): E4M3 weights with ``weight_scale_inv`` tiles
@@ -29,6 +31,7 @@ from ..quant import ExpertCodec, quantize_choices, WeightFormat, dense_format_of
 from ..store.layout import StoreWriter
 from cache_policy.jsonfile import read_json
 
+from .arch import module
 from .config import MoEConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -101,6 +104,8 @@ def dense_names(cfg: MoEConfig) -> dict:
                 out[p + cfg.mlp_prefix + "latent_up.weight"] = (H, cfg.latent_dim)
             if cfg.router == "sigmoid_group":
                 out[correction_bias_name(cfg, i)] = (cfg.num_experts,)
+            elif cfg.router == "softmax_bias":   # ERNIE 4.5 stores it [1, E] (one group of experts)
+                out[correction_bias_name(cfg, i)] = (1, cfg.num_experts)
             if cfg.shared_intermediate:
                 S, sp = cfg.shared_intermediate, p + cfg.shared_prefix
                 out.update({sp + "gate_proj.weight": (S, H), sp + "up_proj.weight": (S, H), sp + "down_proj.weight": (H, S)})
@@ -144,10 +149,11 @@ class Checkpoint:
     safetensors one: 8-byte little-endian header length, a JSON header of dtype, shape and
     data offsets, then the data."""
 
-    def __init__(self, model_dir: str, lm_prefix: str = "model.") -> None:
+    def __init__(self, model_dir: str, lm_prefix: str = "model.", lm_head_name: str = "lm_head.weight") -> None:
         self.dir = model_dir
         self._headers: dict = {}
         self.lm_prefix = lm_prefix      # multimodal checkpoints store model.* under e.g. model.language_model.
+        self.lm_head_name = lm_head_name   # ... and lm_head.weight under e.g. language_model.lm_head.weight
         self.read: set = set()          # stored names read so far (the rest is reported as not needed)
         index = os.path.join(model_dir, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -185,6 +191,8 @@ class Checkpoint:
         """The checkpoint's name for one of ours (``model.layers.0...``)."""
         if self.lm_prefix != "model." and name.startswith("model."):
             return self.lm_prefix + name[len("model."):]
+        if name == "lm_head.weight":
+            return self.lm_head_name
         return name
 
     def has(self, name: str) -> bool:
@@ -347,6 +355,26 @@ def _gpt_oss_expert(layer_t: dict, e: int) -> dict:
             "down": {"blocks": dn[0][e], "scales": dn[1][e]}, **b}
 
 
+def fused_expert_name(cfg: MoEConfig, layer: int, w: str) -> str:
+    return f"model.layers.{layer}.{cfg.mlp_prefix}experts.{w}"
+
+
+def _fused_layer(ck: "Checkpoint", cfg: MoEConfig, layer: int):
+    """A layer's experts fused into two float tensors -> input-major ``gate_up`` [E, hidden, 2I] (gate
+    columns, then up) and ``down`` [E, I, hidden], the layout Qwen3-VL ships. transformers 5 saves
+    them output-major ([E, 2I, hidden], [E, hidden, I]) and, loading, tells the two apart by shape,
+    the output-major reading first where both fit (hidden = 2I); so does this."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate
+
+    def read(w: str, in_major: tuple):
+        name = fused_expert_name(cfg, layer, w)
+        t = ck.get(name)
+        if tuple(t.shape) == (E, in_major[2], in_major[1]):
+            return t.transpose(1, 2)
+        return t if tuple(t.shape) == in_major else ck.get(name, in_major)   # the latter raises: shape and expected
+    return read("gate_up_proj", (E, H, 2 * I)), read("down_proj", (E, I, H))
+
+
 def expert_error(weights: list, raw: dict, src: dict, dtype=torch.float32, n: int = 8, seed: int = 0) -> float:
     """Relative error ||y_q - y|| / ||y|| of one expert's SwiGLU output on ``n`` random inputs,
     the stored (quantized) weights against the float ones they were made from."""
@@ -375,65 +403,58 @@ class ConvertReport:
     unread: list = field(default_factory=list)   # checkpoint tensors decoding does not need (vision, MTP), not read
 
 
-def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str | None" = None) -> ConvertReport:
-    from safetensors.torch import save_file
-    cfg = MoEConfig.from_hf(model_dir)
-    raw_cfg = read_json(os.path.join(model_dir, "config.json"))
-    sq = ShippedQuant(raw_cfg.get("quantization_config"), os.path.join(model_dir, "config.json"))
-    if quantize is not None and quantize not in quantize_choices():
-        raise ValueError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(quantize_choices())}")
-    if quantize is not None and sq.method is not None:
-        raise ValueError(f"{model_dir}: the checkpoint is already quantized ({sq.method}); its experts are stored as shipped - "
-                         f"drop --quantize (re-quantizing quantized weights would only add error)")
-    ck = Checkpoint(model_dir, cfg.lm_prefix)
+def _expert_reader(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant"):
+    """logical(layer, e) -> one expert's logical weights: float [out, in] tensors or (format, parts) as
+    shipped. Layers whose experts are fused (gpt-oss, Qwen3-VL) are read once and kept for their experts."""
     H, I = cfg.expert_in, cfg.expert_intermediate
     shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     gpt_oss = cfg.model_type == "gpt_oss"
     layer_cache: dict = {}
 
-    def logical(m: int, layer: int, e: int) -> dict:
-        """One expert's logical weights: float [out, in] tensors or {suffix: part} as shipped."""
+    def fused(layer: int, read):
+        if layer not in layer_cache:
+            layer_cache.clear()
+            layer_cache[layer] = read(ck, cfg, layer)
+        return layer_cache[layer]
+
+    def logical(layer: int, e: int) -> dict:
         if gpt_oss:
-            if layer not in layer_cache:
-                layer_cache.clear()
-                layer_cache[layer] = _gpt_oss_layer(ck, cfg, layer)
-            return _gpt_oss_expert(layer_cache[layer], e)
-        names = expert_names(cfg, layer, e)
+            return _gpt_oss_expert(fused(layer, _gpt_oss_layer), e)
+        if ck.has(fused_expert_name(cfg, layer, "gate_up_proj")):   # Qwen3-VL: the layer's experts in two tensors
+            gu, dn = fused(layer, _fused_layer)
+            return {"gate": gu[e, :, :I].t().contiguous(), "up": gu[e, :, I:].t().contiguous(), "down": dn[e].t().contiguous()}
         out = {}
-        for k, n in names.items():
+        for k, n in expert_names(cfg, layer, e).items():
             fmt, t = read_linear(ck, n, shapes[k], sq)
             out[k] = t if fmt is None else (fmt, t)
         return out
+    return logical
 
-    probe = logical(0, cfg.moe_layers[0], 0)
-    shipped = isinstance(probe["gate"], tuple) or isinstance(probe["gate"], dict)
-    bias_dtype = probe["down_bias"].dtype if "down_bias" in probe else None
-    if shipped:
+
+def _expert_format(probe: dict, sq: "ShippedQuant", quantize: "str | None", model_dir: str):
+    """(format, shipped?, source) of the store's experts, from the first expert as read."""
+    if isinstance(probe["gate"], (tuple, dict)):
         fmt = probe["gate"][0] if isinstance(probe["gate"], tuple) else get_format("mxfp4")
-        source = f"shipped {sq.method}"
-    else:
-        dt = probe["gate"].dtype
-        if dt not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{model_dir}: expert weights are {dt} without a quantization_config this tiered-moe reads; "
-                             f"supported quant_method: {', '.join(QUANT_METHODS)}")
-        fmt = get_format(quantize_choices()[quantize]) if quantize else dense_format_of(dt)
-        source = f"quantized from {dense_format_of(dt).name}" if quantize else "float"
-    try:
-        weights = expert_weight_specs(H, I, fmt, bias_dtype)
-    except ValueError as e:
-        raise ValueError(f"{model_dir}: {e}") from None
-    writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
-                         num_experts=cfg.num_experts, weights=weights, layer_numbers=cfg.moe_layers,
-                         extra={"model_type": cfg.model_type, "expert_source": source})
-    total = cfg.num_moe_layers * cfg.num_experts
+        return fmt, True, f"shipped {sq.method}"
+    dt = probe["gate"].dtype
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{model_dir}: expert weights are {dt} without a quantization_config this tiered-moe reads; "
+                         f"supported quant_method: {', '.join(QUANT_METHODS)}")
+    fmt = get_format(quantize_choices()[quantize]) if quantize else dense_format_of(dt)
+    return fmt, False, f"quantized from {dense_format_of(dt).name}" if quantize else "float"
+
+
+def _write_experts(writer, cfg: MoEConfig, logical, fmt, shipped: bool, weights: list, quantize, model_dir: str,
+                   progress: bool) -> list:
+    """Every expert into the store; returns the quantization errors of a sample of them."""
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=total, desc="converting experts", unit="expert")
+        bar = tqdm(total=cfg.num_moe_layers * cfg.num_experts, desc="converting experts", unit="expert")
     errors = []
     for m, layer in enumerate(cfg.moe_layers):
         for e in range(cfg.num_experts):
-            w = logical(m, layer, e)
+            w = logical(layer, e)
             for k in ("gate", "up", "down"):
                 v = w[k]
                 if isinstance(v, tuple):
@@ -454,9 +475,17 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
                 bar.update()
     if bar:
         bar.close()
-    man = writer.close()
+    return errors
+
+
+def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: str, out_dir: str) -> None:
+    """The dense tensors (dequantized like every non-expert weight), config and tokenizer files."""
+    from safetensors.torch import save_file
     embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     dense = {n: read_dense(ck, n, s, sq, embed.dtype) for n, s in dense_names(cfg).items()}
+    arch = module(cfg.model_type)
+    if hasattr(arch, "convert_dense"):   # an architecture's reordering of stored weights (ERNIE 4.5's q/k rows)
+        arch.convert_dense(cfg, dense)
     path = os.path.join(out_dir, "dense.safetensors")
     save_file(dense, path)
     umask = os.umask(0)
@@ -467,6 +496,32 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
     for f in TOKENIZER_FILES:
         if os.path.exists(os.path.join(model_dir, f)):
             shutil.copy(os.path.join(model_dir, f), os.path.join(out_dir, f))
+
+
+def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str | None" = None) -> ConvertReport:
+    cfg = MoEConfig.from_hf(model_dir)
+    raw_cfg = read_json(os.path.join(model_dir, "config.json"))
+    sq = ShippedQuant(raw_cfg.get("quantization_config"), os.path.join(model_dir, "config.json"))
+    if quantize is not None and quantize not in quantize_choices():
+        raise ValueError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(quantize_choices())}")
+    if quantize is not None and sq.method is not None:
+        raise ValueError(f"{model_dir}: the checkpoint is already quantized ({sq.method}); its experts are stored as shipped - "
+                         f"drop --quantize (re-quantizing quantized weights would only add error)")
+    ck = Checkpoint(model_dir, cfg.lm_prefix, cfg.lm_head_name)
+    logical = _expert_reader(ck, cfg, sq)
+    probe = logical(cfg.moe_layers[0], 0)
+    fmt, shipped, source = _expert_format(probe, sq, quantize, model_dir)
+    bias_dtype = probe["down_bias"].dtype if "down_bias" in probe else None
+    try:
+        weights = expert_weight_specs(cfg.expert_in, cfg.expert_intermediate, fmt, bias_dtype)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
+    writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
+                         num_experts=cfg.num_experts, weights=weights, layer_numbers=cfg.moe_layers,
+                         extra={"model_type": cfg.model_type, "expert_source": source})
+    errors = _write_experts(writer, cfg, logical, fmt, shipped, weights, quantize, model_dir, progress)
+    man = writer.close()
+    _write_dense(ck, cfg, sq, model_dir, out_dir)
     return ConvertReport(fmt.name, source, man.blob_bytes, float(sum(errors) / len(errors)) if errors else None,
                          max(errors) if errors else None, unread=ck.unread())
 

@@ -27,6 +27,7 @@ def _files(out, name):
     return json.loads((out / f"{name}.json").read_text())
 
 
+@pytest.mark.slow
 def test_regimes_quick(out):
     import exp_regimes
     exp_regimes.main(["--quick", "--jobs", "1", "--outdir", str(out)])
@@ -44,6 +45,7 @@ def test_regimes_quick(out):
     assert set(d["tiering_stops_paying_batch"]) == {"deepseek-v2-lite", "flame-moe-290m", "synthetic-local"}
 
 
+@pytest.mark.slow
 def test_k3_quick(out):
     import exp_k3
     exp_k3.main(["--quick", "--jobs", "1", "--outdir", str(out)])
@@ -78,6 +80,7 @@ def test_locality_quick(out):
     assert min(r["hit_device"] for r in skewed) > max(r["hit_device"] for r in uni)
 
 
+@pytest.mark.slow
 def test_cache_routing_quick(out, workdir):
     import exp_cache_routing
     exp_cache_routing.main(["--quick", "--outdir", str(out), "--workdir", workdir])
@@ -88,6 +91,7 @@ def test_cache_routing_quick(out, workdir):
     assert rows[1]["hit_device"] >= base["hit_device"] and rows[1]["kl_mean"] >= 0
 
 
+@pytest.mark.slow
 def test_batching_quick(out, workdir):
     import exp_batching
     exp_batching.main(["--quick", "--outdir", str(out), "--workdir", workdir])
@@ -98,6 +102,7 @@ def test_batching_quick(out, workdir):
     assert e["unique_per_layer_full_steps"] <= f["unique_per_layer_full_steps"]
 
 
+@pytest.mark.slow
 def test_prediction_quick(out, workdir):
     import exp_common as ec
     import exp_prediction

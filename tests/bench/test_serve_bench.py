@@ -1,7 +1,10 @@
 import os
 import sys
 
+import pytest
 from helpers import ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def test_serve_bench_quick(tmp_path):

@@ -62,6 +62,7 @@ def test_step_time_formula_by_hand(tmp_path):
     assert r["bytes_per_token"]["host_to_device"] == pytest.approx(3 * 1e6 / 2)
 
 
+@pytest.mark.slow
 def test_shipped_cpu_profile_loads_and_is_used_by_replay(flame_trace):
     prof = cm.load_profile("cpu")
     assert prof.disk_GBps > 0 and prof.h2d_GBps(17 * 2**20) > 0

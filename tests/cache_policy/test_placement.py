@@ -50,6 +50,7 @@ def test_waves_are_counted_when_a_layer_needs_more_than_the_pool():
     assert r["waves"]["extra_waves"] >= extra
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), cap=st.integers(3, 20), batch=st.integers(1, 6),
        scope=st.sampled_from(["global", "layer"]))

@@ -96,6 +96,7 @@ def test_prefetch_precision_recall_are_measured(name):
     assert r0["prefetch_stats"]["issued"] == 0
 
 
+@pytest.mark.slow
 def test_transition_fitted_on_train_split_only(deepseek_trace):
     train, test = deepseek_trace.subset(range(40)).split(0.8)
     assert train.num_sequences == 32 and test.num_sequences == 8

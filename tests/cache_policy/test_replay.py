@@ -28,6 +28,7 @@ def brute_lru_batch1(trace, cap, scope):
     return hits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope,cap", [("global", 166), ("layer", 12)])
 def test_deepseek_lru_batch1_agrees_with_brute_force(deepseek_trace, scope, cap):
     r = replay_batch(deepseek_trace, ReplayConfig(policy="lru", scope=scope, device_capacity=str(cap)), 1)
@@ -35,6 +36,7 @@ def test_deepseek_lru_batch1_agrees_with_brute_force(deepseek_trace, scope, cap)
     assert r["hits"]["device"] == brute_lru_batch1(deepseek_trace, cap, scope)
 
 
+@pytest.mark.slow
 def test_deepseek_batch8_and_belady_agree_with_the_oracle(deepseek_trace):
     tr = deepseek_trace.subset(range(24))
     for policy, scope, cap in (("lru", "global", 166), ("belady", "global", 166), ("belady", "layer", 8),

@@ -67,6 +67,7 @@ def test_container_commands_parse_with_our_cli():
     assert (a.cmd, a.model, a.prefetch) == ("serve", "/models/demo/store", "lookahead")
 
 
+@pytest.mark.slow
 def test_demo_build_only_prints_a_store(tmp_path):
     r = subprocess.run([sys.executable, "-m", "runtime.cli", "demo", "--build-only", "--workdir", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -1,9 +1,11 @@
 """The server image, built and run for real: a Debian base from Debian's packages (debootstrap +
 docker import: no image registry is reachable here), an offline build from wheels made on this
 machine, the container serving a store from a read-only volume on loopback; /health, one
-completion and /metrics checked from outside the container.
+completion and /metrics checked from outside the container; inside it, the package imported from
+site-packages only (the built wheel, not editable, no sources in the image or its working directory).
 
-Skipped, saying why, where Docker cannot run (no dockerd, not root, the daemon does not start).
+Skipped, saying why, where Docker cannot run (no dockerd, not root, the daemon does not start); with
+TIERED_MOE_REQUIRE_DOCKER=1 (a machine where tests/install_docker.sh gives a daemon) that fails instead.
 Everything stays on this machine: dockerd runs with --bridge=none --iptables=false, builds and
 the container use the host network and the server binds 127.0.0.1.
 """
@@ -18,6 +20,8 @@ import urllib.request
 
 import pytest
 from helpers import ROOT
+
+pytestmark = pytest.mark.slow
 
 BASE = "tiered-moe-base:bookworm"
 IMAGE = "tiered-moe:test"
@@ -37,15 +41,22 @@ def daemon_up() -> bool:
         return False
 
 
+def no_docker(reason: str):
+    """Like servehelp.require_tool: TIERED_MOE_REQUIRE_DOCKER=1 says this machine has Docker, so a missing piece fails."""
+    if os.environ.get("TIERED_MOE_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"{reason} (TIERED_MOE_REQUIRE_DOCKER=1)", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def docker():
     """A reachable Docker daemon: the running one, or one started here (root) and stopped after."""
     if shutil.which("docker") is None:
-        pytest.skip("no docker client (Debian's docker.io; tests/install_docker.sh installs it)")
+        no_docker("no docker client (Debian's docker.io; tests/install_docker.sh installs it)")
     proc = None
     if not daemon_up():
         if shutil.which("dockerd") is None or os.geteuid() != 0:
-            pytest.skip("no Docker daemon, and none can be started here (needs dockerd and root)")
+            no_docker("no Docker daemon, and none can be started here (needs dockerd and root)")
         log = open(os.path.join("/tmp", "tiered-moe-dockerd.log"), "w")
         proc = subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false"],
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -53,7 +64,7 @@ def docker():
         while not daemon_up():
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
-                pytest.skip(f"dockerd did not start (see /tmp/tiered-moe-dockerd.log): exit {proc.poll()}")
+                no_docker(f"dockerd did not start (see /tmp/tiered-moe-dockerd.log): exit {proc.poll()}")
             time.sleep(0.5)
     yield
     if proc is not None:
@@ -90,10 +101,10 @@ def base_image(docker, tmp_path_factory):
     if sh("docker", "image", "inspect", BASE, check=False).returncode == 0:
         return BASE
     if shutil.which("debootstrap") is None:
-        pytest.skip("no debootstrap to build a base image (Debian's debootstrap; tests/install_docker.sh installs it)")
+        no_docker("no debootstrap to build a base image (Debian's debootstrap; tests/install_docker.sh installs it)")
     mirror = debian_mirror()
     if mirror is None:
-        pytest.skip("no Debian mirror in this machine's apt sources for debootstrap")
+        no_docker("no Debian mirror in this machine's apt sources for debootstrap")
     root = str(tmp_path_factory.mktemp("rootfs") / "bookworm")
     sh("debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm", root, mirror,
        timeout=900)
@@ -121,6 +132,27 @@ def image(base_image, tmp_path_factory):
        "--build-arg", f"TORCH_SPEC=torch=={torch_version}", "--build-arg", "TORCH_INDEX=", "--build-arg",
        "PIP_ARGS=--no-index", "-t", IMAGE, str(ctx), timeout=1200)
     return IMAGE
+
+
+# Run inside the container from its working directory (python -c puts it on sys.path, as -m does).
+WHERE = r"""
+import importlib, json, os, sysconfig
+from importlib.metadata import distribution
+site = os.path.realpath(sysconfig.get_paths()["purelib"])
+mods = ("runtime", "runtime.cli", "runtime.serve.engine_proc", "runtime.model.config", "cache_policy")
+modules = {m: os.path.realpath(importlib.import_module(m).__file__) for m in mods}
+direct = json.loads(distribution("tiered-moe").read_text("direct_url.json") or "{}")
+strays = []
+for d, dirs, files in os.walk("/"):
+    if d == "/":
+        dirs[:] = [x for x in dirs if x not in ("proc", "sys", "dev")]
+    if os.path.basename(d) in ("runtime", "cache_policy") and not os.path.realpath(d).startswith(site + os.sep) \
+            and {"cli.py", "cost_model.py"} & set(files):
+        strays.append(d)
+print(json.dumps({"site": site, "modules": modules, "direct_url": direct, "strays": strays, "cwd": os.getcwd(),
+                  "cwd_entries": sorted(os.listdir(".")),
+                  "editable": bool(direct.get("dir_info", {}).get("editable"))}))
+"""
 
 
 def free_port() -> int:
@@ -158,5 +190,15 @@ def test_image_builds_and_serves_from_outside(image, tiny_store):
         assert "tiered_moe_generation_tokens_total 5.0" in metrics
         # it runs as the unprivileged user the Dockerfile makes
         assert sh("docker", "exec", name, "id", "-u").stdout.strip() == "10001"
+        # and from site-packages only: the wheel installed (not editable), no sources anywhere else,
+        # not even in the working directory that `python -m` (the engine process) puts on sys.path
+        where = json.loads(sh("docker", "exec", name, "python", "-c", WHERE).stdout)
+        site = where["site"]
+        assert "site-packages" in site and site.startswith("/opt/venv/"), where
+        for mod, path in where["modules"].items():
+            assert path.startswith(site + "/"), f"{mod} imports from {path}, not from site-packages {site}"
+        assert not where["editable"], f"an editable install: {where['direct_url']}"
+        assert where["strays"] == [], f"sources outside site-packages: {where['strays']}"
+        assert not {"runtime", "cache_policy", "pyproject.toml"} & set(where["cwd_entries"]), where
     finally:
         sh("docker", "rm", "-f", name, check=False)

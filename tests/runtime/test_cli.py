@@ -7,6 +7,8 @@ import pytest
 
 from helpers import ROOT, shared_trace
 
+pytestmark = pytest.mark.slow   # every test runs the command as a subprocess (seconds each)
+
 
 def cli(*args, check=True):
     p = subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT, capture_output=True, text=True,

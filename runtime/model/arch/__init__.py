@@ -26,6 +26,12 @@ ARCHITECTURES = {
     "qwen3_5_moe": "qwen3_next",          # the multimodal release: its language model (text_config)
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",
+    "deepseek_v2": "deepseek_v2",
+    "kimi_k25": "kimi_k25",               # the multimodal release: its DeepSeek-V3 language model (text_config)
+    "glm4_moe_lite": "glm4_moe_lite",
+    "dots1": "dots1",
+    "ernie4_5_moe": "ernie4_5_moe",
+    "qwen3_vl_moe": "qwen3_vl_moe",       # the multimodal release: its Qwen3-MoE language model (text_config)
 }
 
 
@@ -53,6 +59,25 @@ def check_layer_kinds(kinds: list, d: dict, source: str) -> list:
             raise ValueError(f"{source}: layer {i} has kind {k!r}, which tiered-moe does not implement for "
                              f"{d['model_type']} (implemented: {', '.join(LAYER_KINDS)})")
     return kinds
+
+
+def text_config(d: dict, types: tuple) -> dict:
+    """A multimodal release's language-model config (``text_config``), of one of ``types`` (the first is
+    what a config that names none is taken to be); else an error naming what is there."""
+    arch = d.get("model_type")
+    t = d.get("text_config")
+    if not isinstance(t, dict):
+        raise ValueError(f"{arch} config.json has no text_config (the language model's configuration)")
+    mt = t.get("model_type", types[0])
+    if mt not in types:
+        raise ValueError(f"{arch} text_config model_type {mt!r} is not supported ({' / '.join(types)} is)")
+    return dict(t)
+
+
+def dense_intermediate(moe_layers: list, L: int, need) -> int:
+    """The dense MLP width, read only where some layer is dense: a model whose every layer is MoE
+    (Qwen3.5's text config) has no ``intermediate_size`` and needs none."""
+    return int(need("intermediate_size")) if len(set(moe_layers)) < L else 0
 
 
 def typed_sliding(d: dict) -> "list | None":

@@ -9,7 +9,7 @@ layers live under ``linear_attn.``: Qwen3-Next fuses their projections per key h
 (``in_proj_qkvz`` / ``in_proj_ba``), Qwen3.5 keeps them flat (``in_proj_qkv`` / ``in_proj_z`` /
 ``in_proj_b`` / ``in_proj_a``)."""
 from ..config import MoEConfig
-from . import check_layer_kinds
+from . import check_layer_kinds, dense_intermediate
 
 PARTIAL_ROTARY = True
 
@@ -41,10 +41,12 @@ def config(d: dict, common: dict, need) -> MoEConfig:
     step = int(d.get("decoder_sparse_step", 1) or 1)
     only = set(d.get("mlp_only_layers") or [])
     moe = [i for i in range(L) if i not in only and (i + 1) % step == 0]
+    if d["model_type"] == "qwen3_5_moe_text":   # every layer is MoE (no decoder_sparse_step / mlp_only_layers)
+        moe = list(range(L))
     shared = int(d.get("shared_expert_intermediate_size") or 0)
     # Qwen3.5's router always renormalises the top-k weights (it has no norm_topk_prob).
     renorm = True if d["model_type"] == "qwen3_5_moe_text" else bool(d.get("norm_topk_prob", True))
-    return MoEConfig(**common, dense_intermediate=int(need("intermediate_size")),
+    return MoEConfig(**common, dense_intermediate=dense_intermediate(moe, L, need),
                      expert_intermediate=int(need("moe_intermediate_size")), moe_layers=moe, norm_topk_prob=renorm,
                      qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head",
                      shared_intermediate=shared, shared_expert_gate=bool(shared), attn_output_gate=True, norm_offset=1.0,
@@ -53,8 +55,7 @@ def config(d: dict, common: dict, need) -> MoEConfig:
                      linear_num_heads=int(need("linear_num_key_heads")), linear_head_dim=int(need("linear_key_head_dim")),
                      linear_num_v_heads=int(need("linear_num_value_heads")),
                      linear_value_head_dim=int(need("linear_value_head_dim")),
-                     linear_conv_kernel=int(d.get("linear_conv_kernel_dim") or 4),
-                     lm_prefix=d.get("lm_prefix", "model."))
+                     linear_conv_kernel=int(d.get("linear_conv_kernel_dim") or 4))
 
 
 def linear_names(cfg: MoEConfig, layer: int) -> dict:

@@ -13,10 +13,16 @@ from .rope import _no_rotation, _rotate, mla_softmax_scale, rope_interleaved
 from .weights import layer_prefix, take
 
 
+# The latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever the model's rms_norm_eps: so
+# do DeepSeek's reference code and transformers' MLA for every architecture that has it (DeepSeek-V2/V3,
+# Kimi-Linear, GLM-4.7-Flash), which ship rms_norm_eps 1e-6 or 1e-5.
+LATENT_NORM_EPS = 1e-6
+
+
 class MLAttention:
     def __init__(self, cfg: MoEConfig, i: int, w: dict, *, kv_index: int) -> None:
         p = layer_prefix(i) + "self_attn."
-        self.i, self.kv_index, self.eps = i, kv_index, cfg.rms_norm_eps
+        self.i, self.kv_index, self.eps = i, kv_index, LATENT_NORM_EPS
         self.nh, self.nope, self.rope, self.vd, self.lat = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                                                             cfg.v_head_dim, cfg.kv_lora_rank)
         self.scale = mla_softmax_scale(cfg)

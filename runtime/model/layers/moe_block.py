@@ -18,7 +18,7 @@ from ..config import MoEConfig
 from ..convert import correction_bias_name, router_name
 from .context import ForwardContext
 from .mlp import DenseMLP
-from .router import route
+from .router import ROUTERS, route
 from .weights import layer_prefix, take, take_opt
 
 
@@ -153,6 +153,7 @@ class MoEBlock:
         self.cfg, self.i, self.moe_idx = cfg, i, moe_idx
         self.store, self.executor = store, executor
         rn = router_name(cfg, i)
+        self.router_fn = ROUTERS[cfg.router]                             # chosen once, here
         self.router_w = take(w, rn)
         self.router_b = take_opt(w, rn[:-len("weight")] + "bias")        # gpt-oss's router bias
         self.correction = take_opt(w, correction_bias_name(cfg, i))      # sigmoid routers' selection bias
@@ -166,7 +167,7 @@ class MoEBlock:
     def route(self, x: torch.Tensor, bonus: "torch.Tensor | None" = None):
         """x: [tokens, hidden] -> (ids [tokens, k], weights [tokens, k] float32)."""
         logits = F.linear(x, self.router_w, self.router_b)               # logits: [tokens, E]
-        return route(logits, self.cfg, self.correction, bonus)
+        return route(logits, self.cfg, self.correction, bonus, self.router_fn)
 
     def route_preview(self, x: torch.Tensor) -> torch.Tensor:
         """The experts this block would route ``x`` to, by the code its forward runs (lookahead prefetch)."""

@@ -40,6 +40,7 @@ def run(store, kv_tokens, max_batch, greedy=True):
         st.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("greedy", [True, False])
 def test_preemption_recomputes_to_the_same_tokens(store, greedy):
     want = [run_alone for run_alone in (run(store, 4096, 1, greedy)[0])]
@@ -79,6 +80,7 @@ def test_kv_budget_from_load_model_and_admission_by_free_blocks(store):
         st.close()
 
 
+@pytest.mark.slow
 def test_expert_aware_schedule_with_a_tight_cache(store):
     """More active requests than the batch, blocks short: preemption and admission keep every
     request's tokens equal to decoding it alone."""

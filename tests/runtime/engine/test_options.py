@@ -73,6 +73,7 @@ def test_cache_bonus_raises_hits_and_zero_is_off(tiny_store):
     assert r["hits"]["device"] == s_big["hits"]["device"]
 
 
+@pytest.mark.slow
 def test_expert_aware_batching_keeps_outputs_and_bounds(tiny_store):
     _, fcfs, s_f, _ = _run(tiny_store[1], n=16)
     eng, aware, s_a, _ = _run(tiny_store[1], schedule="expert-aware", max_active=12, n=16)

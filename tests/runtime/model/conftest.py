@@ -3,7 +3,9 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference")
+from helpers import require
+
+transformers = require("transformers", "the test-only reference")
 
 ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=16, num_experts_per_tok=2)),
@@ -11,7 +13,7 @@ ARCHS = {
                                                                  shared_expert_intermediate_size=48, decoder_sparse_step=1,
                                                                  norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                                 decoder_sparse_step=1, head_dim=16, norm_topk_prob=True,
+                                                                 decoder_sparse_step=1, norm_topk_prob=True,
                                                                  mlp_only_layers=[1])),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=16, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None)),
     # MLA attention, sigmoid group-limited routing with a correction bias, a shared expert, a dense first layer.
@@ -33,10 +35,10 @@ ARCHS = {
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         decoder_sparse_step=1, use_sliding_window=True, sliding_window=5, max_window_layers=3)),
     "qwen3_moe_swa": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, head_dim=16,
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
         use_sliding_window=True, sliding_window=7)),
     "qwen3_moe_yarn": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, head_dim=16,
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16})),
     # Attention sinks, alternating sliding / full layers, biases everywhere, router bias, clamped SwiGLU, YaRN.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
@@ -61,30 +63,137 @@ ARCHS = {
     # expert, a dense first layer.
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
-        first_k_dense_replace=1, use_qk_norm=True, head_dim=16, attention_bias=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
-    # MiniMax-M2: q/k norm over the whole projection, RoPE on rotary_dim channels, sigmoid router with a
-    # correction bias and plain top-k.
+    # MiniMax-M2: q/k norm over the whole projection, RoPE on half of each head (transformers' form of the
+    # released rotary_dim; test_arch_fixtures checks the two read alike), sigmoid router with a correction bias
+    # and plain top-k.
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
-        num_local_experts=16, num_experts_per_tok=2, head_dim=16, rotary_dim=8, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None)),
+        num_local_experts=16, num_experts_per_tok=2, head_dim=16, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5})),
     # Qwen3.5's language model: the same layers with Gated DeltaNet's projections unfused.
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         layer_types=["linear_attention", "full_attention", "linear_attention"],
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # DeepSeek-V2: MLA with q LoRA and RoPE on adjacent pairs, softmax router with group_limited_greedy
+    # (best 2 of 4 groups by their best expert), routed scaling without renormalising, a shared expert.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4, routed_scaling_factor=2.5,
+        eos_token_id=None, bos_token_id=None)),
+    # DeepSeek-V2-Lite: no q LoRA, greedy top-k, YaRN as its released config has it (mscale = mscale_all_dim).
+    "deepseek_v2_lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, topk_method="greedy", n_shared_experts=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, num_key_value_heads=4, eos_token_id=None, bos_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    # Kimi K2.5 as released: the DeepSeek-V3 language model under text_config (model_type kimi_k2) and
+    # language_model.*, a vision tower and projector beside it (not read).
+    "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration", dict(
+        text_config=dict(model_type="kimi_k2", n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                         n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=24,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
+                         routed_scaling_factor=2.5, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None),
+        vision_config=dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                           num_hidden_layers=1, hidden_size=32, intermediate_size=48),
+        projection_hidden_size=32, tie_word_embeddings=False)),
+    # GLM-4.7-Flash: MLA (q LoRA) with GLM-4.5's sigmoid router, a shared expert, the first layer dense;
+    # its released rms_norm_eps.
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
+        routed_scaling_factor=2.5, rms_norm_eps=1e-5, eos_token_id=None, bos_token_id=None)),
+    # dots.llm1: Qwen3 attention (with attention_bias: q/k/v/o biases), DeepSeek-V3's router, a shared
+    # expert, a dense first layer.
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True, routed_scaling_factor=2.5)),
+    # ... with sliding-window layers from max_window_layers on (transformers' rule), the window shorter than the text.
+    "dots1_swa": ("Dots1Config", "Dots1ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, norm_topk_prob=True, sliding_window=6, max_window_layers=1)),
+    # ERNIE 4.5: interleaved RoPE, softmax router with a correction bias on the probabilities, a shared
+    # expert, a dense first layer (moe_layer_start_index), tied embeddings.
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        moe_num_experts=16, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Qwen3-VL-MoE as released: the Qwen3-MoE language model under text_config and model.language_model.,
+    # its experts fused per layer (input-major), a dense (mlp_only) layer; a vision tower beside it.
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", dict(
+        text_config=dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
+                         mlp_only_layers=[1], eos_token_id=None, bos_token_id=None, pad_token_id=None),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+                           temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0]))),
 }
 
 
-def build_hf(name: str, out_dir: str, seed: int = 0):
-    cfg_cls, model_cls, kw = ARCHS[name]
+# The sizes every fixture shrinks to, where its config class defines the field (Qwen3.5's text config
+# has no intermediate_size: every layer is MoE); a multimodal fixture's go to its text_config.
+SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def defined_fields(C) -> set:
+    """The fields a transformers config class defines: its dataclass fields (transformers 5's configs
+    are strict dataclasses, which still accept and save any extra keyword - hence this check), else
+    its ``__init__`` parameters; plus its ``attribute_map`` aliases (``num_experts`` for
+    ``n_routed_experts``...)."""
+    import dataclasses
+    import inspect
+    if dataclasses.is_dataclass(C):
+        names = {f.name for f in dataclasses.fields(C)}
+    else:
+        names = {n for n, p in inspect.signature(C.__init__).parameters.items()
+                 if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names | set(getattr(C, "attribute_map", None) or {})
+
+
+def undefined_fields(C, kw: dict) -> list:
+    """Keywords of ``kw`` that config class ``C`` does not define, sub-configs given as dicts
+    (``text_config``, ``vision_config``) checked against their own classes (``model_type`` there
+    picks the class)."""
+    bad = sorted(k for k in kw if k not in defined_fields(C))
+    subs = {k: v for k, v in kw.items() if isinstance(v, dict) and k in (getattr(C, "sub_configs", None) or {})}
+    if subs:
+        c = C(**{k: v for k, v in kw.items() if k in subs})
+        for k, v in subs.items():
+            bad += [f"{k}.{f}" for f in sorted(v) if f != "model_type" and f not in defined_fields(type(getattr(c, k)))]
+    return bad
+
+
+def fixture_kwargs(name: str):
+    """(config class, keywords) of fixture ``name``: its ARCHS fields over the SIZES its class defines."""
+    cfg_cls, _, kw = ARCHS[name]
     C = getattr(transformers, cfg_cls)
+    kw = dict(kw)
+    if isinstance(kw.get("text_config"), dict):
+        T = type(C(text_config=kw["text_config"]).text_config)
+        kw["text_config"] = {**{k: v for k, v in SIZES.items() if k in defined_fields(T)}, **kw["text_config"]}
+    else:
+        kw = {**{k: v for k, v in SIZES.items() if k in defined_fields(C)}, **kw}
+    return C, kw
+
+
+def hf_config(name: str):
+    """The fixture's transformers config, refused where a field is one its class does not define."""
+    C, kw = fixture_kwargs(name)
+    cfg_cls = C.__name__
+    bad = undefined_fields(C, kw)
+    if bad:
+        raise ValueError(f"fixture {name}: {cfg_cls} does not define {', '.join(bad)} (a strict transformers config "
+                         f"keeps and saves any keyword: a fixture must not lean on one its class does not define)")
+    return C(**kw)
+
+
+def build_hf(name: str, out_dir: str, seed: int = 0):
+    _, model_cls, _ = ARCHS[name]
     M = getattr(transformers, model_cls)
     torch.manual_seed(seed)
-    args = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256)
-    c = C(**{**args, **kw})
+    c = hf_config(name)
     if name.startswith("gpt_oss"):
         c._attn_implementation = "eager"   # transformers' sink-aware attention on CPU
     m = M(c).eval()
@@ -96,11 +205,85 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
         for n, b in m.named_buffers():   # a non-zero correction bias, so it matters for the test
             if n.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape) * 0.5)
+        for n, p in m.named_parameters():   # ERNIE's is a parameter, on the scale of softmax probabilities
+            if n.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape) * 0.05)
     m.save_pretrained(out_dir)
+    if name in RELEASED_LAYOUT:
+        m = released_layout(m, out_dir, RELEASED_LAYOUT[name])
     return m
 
 
-@pytest.fixture(scope="session", params=list(ARCHS))
+def lm_config(cfg: dict) -> dict:
+    """The part of a config.json dict describing the language model: ``text_config`` in a multimodal
+    release (kimi_k25, qwen3_vl_moe), else the whole dict; editing it edits ``cfg``."""
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def released_layout(m, out_dir: str, rename=lambda k, v: (k, v)):
+    """The saved checkpoint rewritten tensor by tensor (``rename``: name, tensor -> name, tensor) into the
+    layout a model is released in, which tiered-moe reads; the reference is then transformers' model
+    loaded back from that directory, checked to hold the same language-model weights."""
+    from safetensors.torch import load_file, save_file
+    assert not os.path.exists(os.path.join(out_dir, "model.safetensors.index.json")), "sharded save: rewrite the index"
+    for f in [f for f in os.listdir(out_dir) if f.endswith(".safetensors")]:
+        path = os.path.join(out_dir, f)
+        save_file(dict(rename(k, v) for k, v in load_file(path).items()), path, metadata={"format": "pt"})
+    ref = type(m).from_pretrained(out_dir).eval()
+    got = ref.state_dict()
+    for k, v in m.state_dict().items():
+        if k.startswith(("model.language_model.", "lm_head.")):
+            assert torch.equal(got[k], v), f"transformers does not read {k} back from the released layout"
+    return ref
+
+
+def _kimi_k25(k, v):
+    """transformers 5.24 saves Kimi K2.5's language model as ``language_model.model.blocks.N`` (its
+    vision rename ``blocks`` -> ``layers`` reversed over every key); the release has ``...layers.N``."""
+    return k.replace("language_model.model.blocks.", "language_model.model.layers."), v
+
+
+def _qwen3_vl_moe(k, v):
+    """transformers 5.24 saves Qwen3-VL's fused experts output-major ([E, 2I, H], [E, H, I]); the
+    release ships them input-major ([E, H, 2I], [E, I, H])."""
+    return k, (v.transpose(1, 2).contiguous() if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) else v)
+
+
+RELEASED_LAYOUT = {"kimi_k25": _kimi_k25, "qwen3_vl_moe": _qwen3_vl_moe}
+
+
+# transformers binds fla's / causal_conv1d's kernels in place of its torch fallbacks when those packages import
+# (once, at import of the modeling module): the references here are the torch paths, whatever is installed.
+LINEAR_ATTENTION_MODULES = ("kimi_linear", "qwen3_next", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_fallbacks():
+    import importlib
+    import inspect
+    with pytest.MonkeyPatch.context() as mp:
+        for arch in LINEAR_ATTENTION_MODULES:
+            try:
+                mod = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+            except ImportError:
+                continue                    # no transformers (or too old): the tests that need it fail themselves
+            n = 0
+            for name, fn in list(vars(mod).items()):
+                code = getattr(fn, "__code__", None)
+                if code is not None and code.co_filename.endswith("hub_kernels.py") and hasattr(fn, "__wrapped__"):
+                    mp.setattr(mod, name, inspect.unwrap(fn))   # use_kernel_func_from_hub_with_fallback's torch function
+                    n += 1
+            assert n >= 4, f"{mod.__name__}: transformers' kernel fallbacks moved; force its torch path anew"
+        yield
+
+
+# `pytest -m "not slow"` runs the hf_model tests on these (one per attention / routing family: plain, MLA with
+# group-limited routing, sinks with sliding windows, KDA and Gated DeltaNet hybrids); every other architecture is slow.
+FAST_ARCHS = ("mixtral", "deepseek_v3", "gpt_oss", "kimi_linear", "qwen3_next")
+assert set(FAST_ARCHS) <= set(ARCHS), set(FAST_ARCHS) - set(ARCHS)
+
+
+@pytest.fixture(scope="session", params=[a if a in FAST_ARCHS else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def hf_model(request, tmp_path_factory):
     from runtime.model.convert import convert
     d = str(tmp_path_factory.mktemp(request.param))

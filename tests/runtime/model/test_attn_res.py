@@ -127,6 +127,7 @@ def test_model_residual_stream_is_block_attn_res(k3_store):
     assert logits[0].std() > 0
 
 
+@pytest.mark.slow
 def test_k3_shape_tokens_equal_across_tiers_and_batching(k3_store):
     prompts = [[5, 17, 3, 60, 2], [9, 9, 40], [1, 2, 3, 4, 5, 6, 7]]
     outs = {}

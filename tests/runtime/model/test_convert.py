@@ -11,6 +11,8 @@ from runtime.model import MoEConfig, load_model, route
 from runtime.model.convert import convert
 from runtime.store import Manifest
 
+from conftest import lm_config
+
 
 def copy(src, dst):
     shutil.copytree(src, dst)
@@ -63,7 +65,8 @@ def test_config_errors(hf_model, tmp_path):
     json.dump({**cfg, "model_type": "jamba"}, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match="'jamba' is not supported; supported: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss"):
         convert(d, str(tmp_path / "s"))
-    bad = {k: v for k, v in cfg.items() if k != "hidden_size"}
+    bad = json.loads(json.dumps(cfg))
+    del lm_config(bad)["hidden_size"]   # the language model's (text_config in a multimodal release)
     json.dump(bad, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match="config.json: missing config field hidden_size"):
         convert(d, str(tmp_path / "s"))
@@ -75,8 +78,9 @@ def test_store_of_another_model_and_budget_minimum(hf_model, tmp_path):
     name, ref, hf_dir, store_dir = hf_model
     d = copy(store_dir, str(tmp_path / "s"))
     cfg = json.load(open(os.path.join(d, "config.json")))
-    key = next(k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in cfg)
-    json.dump({**cfg, key: 32}, open(os.path.join(d, "config.json"), "w"))
+    key = next(k for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") if k in lm_config(cfg))
+    lm_config(cfg)[key] = 32
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match="a store of another model"):
         load_model(d)
     m = Manifest.read(store_dir)

@@ -27,6 +27,7 @@ def _run(store_dir, budget, batch=3, worker=False, **kw):
         store.close()
 
 
+@pytest.mark.slow
 def test_outputs_identical_and_no_copies_for_host_experts(hf_model):
     name, ref, hf_dir, store_dir = hf_model
     m = Manifest.read(store_dir)

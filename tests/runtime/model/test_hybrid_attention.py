@@ -226,6 +226,7 @@ def test_qwen3_next_config_and_cache_specs(tmp_path):
         MoEConfig.from_dict({**d, "model_type": "qwen3_moe"})
 
 
+@pytest.mark.slow
 def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path):
     """The released Qwen3.5-MoE layout: config under text_config, the language model under
     model.language_model., a vision tower beside it. Converting reads the language model only (the

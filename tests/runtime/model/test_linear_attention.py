@@ -1,16 +1,17 @@
 """The linear-attention layers (runtime/model/linear_attention.py) against transformers' own layer modules.
 
 References: ``KimiLinearDeltaAttention`` (kimi_linear) and ``Qwen3NextGatedDeltaNet`` (qwen3_next), instantiated
-directly from tiny configs. Without the ``fla`` / ``causal_conv1d`` packages transformers runs its torch fallbacks
+directly from tiny configs. transformers runs its torch fallbacks, forced by this folder's conftest (torch_fallbacks)
+also where the ``fla`` / ``causal_conv1d`` packages are installed
 (chunk_kimi_delta_attention / recurrent_kimi_delta_attention, torch_chunk_gated_delta_rule /
 torch_recurrent_gated_delta_rule, causal_conv1d_fn / causal_conv1d_update), which is what these tests compare with.
 Everything is float32 on CPU and tiny."""
-import importlib.util
-
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference")
+from helpers import require
+
+transformers = require("transformers", "the test-only reference")
 
 from runtime.model.linear_attention import (  # noqa: E402
     GatedDeltaNet,
@@ -22,10 +23,6 @@ from runtime.model.linear_attention import (  # noqa: E402
     kda_state_bytes,
     state_bytes,
 )
-
-if any(importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d")):
-    pytest.skip("fla / causal_conv1d installed: transformers would take its GPU kernels, not the torch fallback",
-                allow_module_level=True)
 
 HIDDEN, PROMPT = 64, 37  # 37: not a multiple of the chunk size (and > 2 chunks of 16 below)
 LONG = 70                # > one chunk of 64: transformers' own chunk loop carries a state too

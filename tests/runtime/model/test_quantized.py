@@ -17,7 +17,7 @@ from runtime.model.convert import convert
 from runtime.quant import ExpertCodec, blob_tensor_specs, expert_weight_specs, get_format
 from runtime.store import Manifest
 
-from helpers import check_against_transformers  # noqa: E402
+from helpers import check_against_transformers, require  # noqa: E402
 
 
 def _model_conftest():
@@ -31,8 +31,7 @@ def _model_conftest():
 
 build_hf = _model_conftest().build_hf
 
-ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers",
-                                 reason="compressed-tensors is the INT4 reference")
+ct_helpers = require("compressed_tensors.compressors.pack_quantized.helpers", "the INT4 reference")   # INT4 tests only
 
 
 # -- the formats' definitions, written here from the specs (numpy, no product code) ---------------
@@ -286,7 +285,8 @@ LAYOUTS = {"gpt_oss_mxfp4": ("gpt_oss", write_mxfp4_gpt_oss, "mxfp4"),
            "kimi_k2_int4": ("deepseek_v3", write_int4_kimi, "int4")}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "gpt_oss_mxfp4" else k
+                                        for k in LAYOUTS])   # gpt-oss: 30 s of brute-force MXFP4 packing
 def released(request, tmp_path_factory):
     arch, write, fmt = LAYOUTS[request.param]
     d = str(tmp_path_factory.mktemp(request.param))
@@ -303,6 +303,7 @@ def released(request, tmp_path_factory):
     return request.param, ref, os.path.join(d, "q"), os.path.join(d, "store"), fmt, rep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frac", [1.0, 0.1])
 def test_released_layouts_match_transformers(released, frac):
     name, ref, q_dir, store_dir, fmt, rep = released

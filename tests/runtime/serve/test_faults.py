@@ -124,6 +124,7 @@ def test_keep_alive_requests_are_not_delayed(server):
     assert times[len(times) // 2] < 0.035, times
 
 
+@pytest.mark.slow
 def test_non_streaming_client_that_disconnects_is_aborted(server):
     before = metric0(server, "tiered_moe_requests_total", {"finish_reason": "abort"})
     s = socket.create_connection((server.host, server.port), timeout=10)
@@ -147,6 +148,7 @@ def start(tiny_store, **kw):
     return Server(EngineConfig(model=kw.pop("model", tiny_store[1]), **cfg), port=0, **kw).start()
 
 
+@pytest.mark.slow
 def test_slow_header_client_does_not_block_others_and_times_out(tiny_store):
     srv = start(tiny_store, timeout=2.0)
     try:
@@ -165,6 +167,7 @@ def test_slow_header_client_does_not_block_others_and_times_out(tiny_store):
         srv.close()
 
 
+@pytest.mark.slow
 def test_killed_engine_is_restarted_and_serves_again(tiny_store):
     """kill -9 mid-stream: that stream ends with an error event, the supervisor restarts the
     engine, requests sent meanwhile wait for it, later requests succeed."""
@@ -193,6 +196,7 @@ def test_killed_engine_is_restarted_and_serves_again(tiny_store):
     assert srv.engine.proc.poll() is not None and not os.path.exists(tmp)
 
 
+@pytest.mark.slow
 def test_hung_engine_is_killed_and_restarted(tiny_store):
     srv = start(tiny_store, heartbeat_timeout=2.0)
     try:
@@ -206,6 +210,7 @@ def test_hung_engine_is_killed_and_restarted(tiny_store):
         srv.close()
 
 
+@pytest.mark.slow
 def test_corrupt_blob_at_run_time_fails_one_request_then_is_read_again(tiny_store, tmp_path):
     """A host tier that does not hold every expert: blobs are read from disk while serving. A
     corrupt one fails the requests of that step (500 naming layer and expert), is read again once
@@ -238,6 +243,7 @@ def test_corrupt_blob_at_run_time_fails_one_request_then_is_read_again(tiny_stor
         srv.close()
 
 
+@pytest.mark.slow
 def test_budget_that_cannot_run_one_step_is_refused_at_start(tiny_store):
     from runtime.serve.client import EngineError
     from runtime.store import Manifest

@@ -6,9 +6,10 @@ import time
 import urllib.request
 
 import pytest
+from helpers import require
 from servehelp import KEY
 
-openai = pytest.importorskip("openai")
+openai = require("openai", "the official client the server is tested with")
 
 
 def reference(store, prompt_ids, max_tokens):
@@ -121,6 +122,7 @@ def test_stop_string_cuts_the_text(server, tiny_store):
     assert r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_32_concurrent_streams_are_not_mixed_up(server, tiny_store):
     prompts = [f"request number {i} says" + "!" * (i % 5) for i in range(32)]
     c = client(server)
@@ -215,6 +217,7 @@ def test_api_key(server):
     assert raw(server, "GET", "/metrics", key=None)[0] == 200
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_frees_the_request(server):
     before = metric(server, "tiered_moe_generation_tokens_total")
     c = http.client.HTTPConnection(server.host, server.port, timeout=30)
@@ -239,6 +242,7 @@ def test_disconnect_mid_stream_frees_the_request(server):
     assert client(server).completions.create(model=server.model_name, prompt="after", max_tokens=3).usage.completion_tokens == 3
 
 
+@pytest.mark.slow
 def test_two_servers_side_by_side(tiny_store):
     """Two servers in one process; the second with a small device tier, hybrid execution and the
     cost-ruled prefetcher: the same text, and its metrics count the experts computed on the host."""
@@ -269,6 +273,7 @@ def test_two_servers_side_by_side(tiny_store):
         EngineConfig(model=tiny_store[1], profile="tpu")
 
 
+@pytest.mark.slow
 def test_engine_start_failure_is_a_clear_error(tmp_path, tiny_store):
     import shutil
     from runtime.serve.client import EngineClient, EngineError
@@ -282,6 +287,7 @@ def test_engine_start_failure_is_a_clear_error(tmp_path, tiny_store):
         EngineConfig(model=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_serve_command_starts_and_stops_cleanly(tiny_store, tmp_path):
     """`tiered-moe serve` as users run it: a URL on stderr, SIGTERM stops it, nothing left behind."""
     import os
@@ -310,6 +316,7 @@ def test_serve_command_starts_and_stops_cleanly(tiny_store, tmp_path):
     assert os.listdir(tmp_path) == []   # sockets and temp dir removed
 
 
+@pytest.mark.slow
 def test_serve_command_bad_flags(tiny_store, tmp_path):
     import subprocess
     import sys

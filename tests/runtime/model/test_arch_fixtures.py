@@ -1,0 +1,262 @@
+"""The per-architecture fixtures (conftest ARCHS) and the architectures of issue 17 item 6: every
+fixture's config is its transformers class's with no field the class does not define; the new
+architectures' router variants, layouts and released config forms against transformers' own code;
+their unsupported options refused by name. The logits / greedy / batched / tier / replay / conversion
+checks run for them with every other architecture (ARCHS)."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from runtime.model import MoEConfig
+from runtime.model.convert import convert, dense_names
+from runtime.model.layers.router import route
+
+from conftest import ARCHS, build_hf, fixture_kwargs, hf_config, transformers, undefined_fields
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_fixture_configs_define_every_field(name):
+    """A strict transformers 5 config keeps (and saves) any keyword, defined or not: a fixture leaning on
+    one its class does not define tests a config no release has (Qwen3.5 once got an intermediate_size)."""
+    C, kw = fixture_kwargs(name)
+    assert undefined_fields(C, kw) == [], name
+
+
+def test_the_field_check_names_undefined_fields(monkeypatch):
+    """The check refuses a fixture that adds a field its class (or its text_config's class) does not
+    define, and accepts attribute_map aliases."""
+    cfg_cls, model_cls, kw = ARCHS["qwen3_5_moe_text"]
+    monkeypatch.setitem(ARCHS, "qwen3_5_moe_text", (cfg_cls, model_cls, {**kw, "intermediate_size": 48}))
+    with pytest.raises(ValueError, match="Qwen3_5MoeTextConfig does not define intermediate_size"):
+        hf_config("qwen3_5_moe_text")
+    cfg_cls, model_cls, kw = ARCHS["kimi_k25"]
+    monkeypatch.setitem(ARCHS, "kimi_k25", (cfg_cls, model_cls, {**kw, "text_config": {**kw["text_config"],
+                                                                                        "rotary_dim": 4}}))
+    with pytest.raises(ValueError, match=r"does not define text_config\.rotary_dim"):
+        hf_config("kimi_k25")
+    assert undefined_fields(transformers.Ernie4_5_MoeConfig, {"num_experts": 8, "moe_k": 2}) == []   # an alias
+    assert undefined_fields(transformers.Qwen3MoeConfig, {"head_dim": 16}) == ["head_dim"]
+
+
+def test_an_all_moe_model_needs_no_dense_intermediate():
+    """Qwen3.5's text config has no intermediate_size (every layer is MoE, whatever mlp_only_layers says);
+    a model with a dense layer still needs one."""
+    d = hf_config("qwen3_5_moe_text").to_dict()
+    assert "intermediate_size" not in d
+    c = MoEConfig.from_dict({**d, "mlp_only_layers": [1]})
+    assert c.moe_layers == [0, 1, 2] and c.dense_intermediate == 0
+    n = hf_config("qwen3_next").to_dict()
+    del n["intermediate_size"]
+    with pytest.raises(ValueError, match="missing config field intermediate_size"):
+        MoEConfig.from_dict(n)
+    assert MoEConfig.from_dict({**n, "mlp_only_layers": []}).dense_intermediate == 0
+
+
+def test_minimax_released_rotary_dim_reads_as_transformers_partial_rotary_factor():
+    d = hf_config("minimax_m2").to_dict()
+    released = {**d, "rotary_dim": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0}}
+    a, b = MoEConfig.from_dict(d), MoEConfig.from_dict(released)
+    assert a.rotary_dim == b.rotary_dim == 8 and a == b
+
+
+# -- router variants against transformers' router modules ------------------------------------------
+
+def _as_dict(ids, w):
+    return [{int(e): float(x) for e, x in zip(i, ww)} for i, ww in zip(ids, w.detach())]
+
+
+def _same_routing(ours, theirs):
+    for a, b in zip(_as_dict(*ours), _as_dict(*theirs)):
+        assert a.keys() == b.keys() and all(abs(a[e] - b[e]) < 1e-6 for e in a)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_router_equals_transformers(method):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    c = transformers.DeepseekV2Config(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                                      num_attention_heads=2, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                      topk_group=2, topk_method=method, routed_scaling_factor=2.5,
+                                      moe_intermediate_size=8, first_k_dense_replace=1)
+    torch.manual_seed(1)
+    r = DeepseekV2TopkRouter(c)
+    r.weight.data.normal_()
+    x = torch.randn(64, 16)
+    _, w, ids = r(x)
+    cfg = MoEConfig.from_dict(c.to_dict())
+    assert cfg.router == ("softmax_group" if method == "group_limited_greedy" else "softmax_topk")
+    _same_routing(route(F.linear(x, r.weight), cfg), (ids, w))
+
+
+def test_ernie_router_equals_transformers():
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+    c = transformers.Ernie4_5_MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, moe_num_experts=16, moe_k=4,
+                                        moe_intermediate_size=8)
+    torch.manual_seed(2)
+    r = Ernie4_5_MoeTopKRouter(c)
+    r.weight.data.normal_()
+    r.moe_statics.e_score_correction_bias.data.normal_(std=0.05)
+    x = torch.randn(64, 16)
+    _, w, ids = r(x)
+    cfg = MoEConfig.from_dict(c.to_dict())
+    assert cfg.router == "softmax_bias"
+    _same_routing(route(F.linear(x, r.weight), cfg, r.moe_statics.e_score_correction_bias), (ids, w))
+    # the bias only chooses: with a large one on expert 3 it is always chosen, its weight the unbiased one
+    bias = torch.zeros(1, 16)
+    bias[0, 3] = 10.0
+    ids, w = route(F.linear(x, r.weight), cfg, bias)
+    assert (ids == 3).any(-1).all()
+
+
+# -- layouts --------------------------------------------------------------------------------------
+
+def test_ernie_interleaved_rope_equals_rotate_half_on_deinterleaved_heads():
+    """Conversion's q/k row reordering: transformers' interleaved RoPE scores equal rotate-half RoPE
+    scores of the reordered heads, so the forward pass needs no interleaved RoPE of its own."""
+    from transformers.models.ernie4_5_moe import modeling_ernie4_5_moe as me
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as rotate_half_rope
+
+    from runtime.model.arch.ernie4_5_moe import deinterleave_rows
+    c = transformers.Ernie4_5_MoeConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                        num_hidden_layers=1, vocab_size=8)
+    hd, T = 16, 7
+    torch.manual_seed(3)
+    wq, wk, x = torch.randn(2 * hd, 32), torch.randn(hd, 32), torch.randn(T, 32)
+    cos, sin = me.Ernie4_5_MoeRotaryEmbedding(c)(x, torch.arange(T)[None])
+    q, k = (x @ wq.t()).view(1, T, 2, hd).transpose(1, 2), (x @ wk.t()).view(1, T, 1, hd).transpose(1, 2)
+    qe, ke = me.apply_rotary_pos_emb(q, k, cos, sin)
+    want = qe @ ke.transpose(-1, -2)
+    q2 = (x @ deinterleave_rows(wq, 2, hd).t()).view(1, T, 2, hd).transpose(1, 2)
+    k2 = (x @ deinterleave_rows(wk, 1, hd).t()).view(1, T, 1, hd).transpose(1, 2)
+    qe2, ke2 = rotate_half_rope(q2, k2, cos, sin)
+    assert torch.allclose(qe2 @ ke2.transpose(-1, -2), want, atol=1e-4)
+    assert not torch.allclose(q2, q)
+
+
+def test_qwen3_vl_mrope_is_plain_rope_on_text_positions():
+    """Interleaved MRoPE gives each frequency the temporal, height or width position; text tokens have
+    the three equal, and then it is plain RoPE with the runtime's frequencies."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextRotaryEmbedding
+
+    from runtime.model.layers.rope import rope_frequencies
+    c = transformers.Qwen3VLMoeTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1, vocab_size=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True})
+    rot = Qwen3VLMoeTextRotaryEmbedding(c)
+    T = 11
+    x = torch.zeros(1, T, 64)
+    cos, sin = rot(x, torch.arange(T).view(1, 1, T).expand(3, 1, T))
+    d = transformers.Qwen3VLMoeConfig(text_config={**c.to_dict(), "num_local_experts": 4}).to_dict()
+    inv, factor = rope_frequencies(MoEConfig.from_dict(d))
+    freqs = torch.arange(T)[:, None].float() * inv
+    emb = torch.cat([freqs, freqs], -1)
+    assert factor == 1.0 and torch.allclose(cos[0], emb.cos(), atol=1e-6) and torch.allclose(sin[0], emb.sin(), atol=1e-6)
+    hw = torch.stack([torch.arange(T), torch.zeros(T, dtype=torch.long), 2 * torch.arange(T)]).view(3, 1, T)
+    assert not torch.allclose(rot(x, hw)[0][0], emb.cos())   # image positions: it is MRoPE
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("qwen3_vl"))
+    build_hf("qwen3_vl_moe", os.path.join(d, "hf"))
+    return d
+
+
+def test_qwen3_vl_fused_experts_either_orientation_convert_alike(qwen3_vl):
+    """The release ships each layer's experts fused input-major ([E, H, 2I], [E, I, H]); transformers
+    5.24 saves them output-major. Both convert to the same store; only the vision tower is unread."""
+    hf, d = os.path.join(qwen3_vl, "hf"), qwen3_vl
+    saved = os.path.join(d, "saved")
+    shutil.copytree(hf, saved)
+    f = [n for n in os.listdir(saved) if n.endswith(".safetensors")][0]
+    w = load_file(os.path.join(saved, f))
+    fused = [k for k in w if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+    assert fused and all(w[k].shape[1] == 64 for k in fused if k.endswith("gate_up_proj"))   # [E, H, 2I] as released
+    save_file({k: (v.transpose(1, 2).contiguous() if k in fused else v) for k, v in w.items()}, os.path.join(saved, f))
+    rep = convert(hf, os.path.join(d, "s1"))
+    convert(saved, os.path.join(d, "s2"))
+    assert rep.unread and all(n.startswith("model.visual.") for n in rep.unread)
+    for n in sorted(os.listdir(os.path.join(d, "s1"))):
+        if n.endswith(".bin"):
+            assert open(os.path.join(d, "s1", n), "rb").read() == open(os.path.join(d, "s2", n), "rb").read(), n
+    a, b = load_file(os.path.join(d, "s1", "dense.safetensors")), load_file(os.path.join(d, "s2", "dense.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cfg = MoEConfig.from_hf(os.path.join(d, "s1"))
+    assert (cfg.model_type, cfg.lm_prefix, cfg.norm_topk_prob, cfg.tie_word_embeddings) == (
+        "qwen3_moe", "model.language_model.", True, False)
+    bad = dict(w)
+    bad[fused[0]] = w[fused[0]][:, :, :-1].contiguous()
+    save_file(bad, os.path.join(saved, f))
+    with pytest.raises(ValueError, match=rf"tensor {fused[0]!r} has shape .*, expected"):
+        convert(saved, os.path.join(d, "s3"))
+
+
+def test_kimi_k25_released_layout(tmp_path):
+    """Kimi K2.5 as released: the language model under language_model.model. with its head at
+    language_model.lm_head.weight, text_config's model_type kimi_k2 (deepseek_v3 as transformers saves
+    it); the vision tower and projector are reported as not read."""
+    hf = str(tmp_path / "hf")
+    build_hf("kimi_k25", hf)
+    rep = convert(hf, str(tmp_path / "s"))
+    assert rep.unread and all(n.startswith(("vision_tower.", "mm_projector.", "model.mm_projector.")) for n in rep.unread)
+    d = json.load(open(os.path.join(hf, "config.json")))
+    a = MoEConfig.from_dict(d)
+    assert (a.model_type, a.lm_prefix, a.lm_head_name, a.tie_word_embeddings) == (
+        "deepseek_v3", "language_model.model.", "language_model.lm_head.weight", False)
+    released = {**d, "text_config": {**d["text_config"], "model_type": "kimi_k2"}}
+    del released["tie_word_embeddings"]                 # the language model's own flag then decides
+    assert MoEConfig.from_dict(released) == a
+    assert "lm_head.weight" in load_file(str(tmp_path / "s" / "dense.safetensors"))
+
+
+# -- unsupported options, by name -----------------------------------------------------------------
+
+def _lm(d):
+    return d["text_config"] if isinstance(d.get("text_config"), dict) else d
+
+
+BAD = [
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported for deepseek_v2"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func 'sigmoid' is not supported for deepseek_v2"),
+    ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob true is not supported for deepseek_v2"),
+    ("deepseek_v2", {"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported for deepseek_v2"),
+    ("deepseek_v2", {"mlp_bias": True}, "mlp_bias is not supported for deepseek_v2"),
+    ("deepseek_v2", {"topk_group": 1, "num_experts_per_tok": 5}, "group_limited_greedy needs"),
+    ("deepseek_v2", {"attention_bias": True}, "attention_bias with MLA is not supported"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types must give"),
+    ("glm4_moe_lite", {"mlp_layer_types": None, "first_k_dense_replace": 2}, "first_k_dense_replace 2 without"),
+    ("glm4_moe_lite", {"topk_method": "greedy"}, "topk_method 'greedy' / scoring_func None are not supported"),
+    ("dots1", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ("dots1", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'dynamic'"),
+    ("dots1", {"n_group": 3}, "n_group 3 / topk_group 2 do not divide"),
+    ("ernie4_5_moe", {"use_bias": True}, "use_bias .* is not supported for ernie4_5_moe"),
+    ("ernie4_5_moe", {"moe_norm_min": 1e-6}, "moe_norm_min 1e-06 is not supported"),
+    ("ernie4_5_moe", {"moe_layer_start_index": [1, 1]}, r"moe_layer_start_index \[1, 1\] is not supported"),
+    ("ernie4_5_moe", {"moe_layer_interval": 0}, "moe_layer_interval 0 must be positive"),
+    ("kimi_k25", {"model_type": "qwen3_moe"}, "kimi_k25 text_config model_type 'qwen3_moe' is not supported"),
+    ("kimi_k25", {"attention_bias": True}, "attention_bias with MLA is not supported"),
+    ("qwen3_vl_moe", {"model_type": "qwen3_moe"}, "qwen3_vl_moe text_config model_type 'qwen3_moe' is not supported"),
+    ("qwen3_vl_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_type 'dynamic'"),
+]
+
+
+@pytest.mark.parametrize("arch,change,msg", BAD, ids=[f"{a}-{'-'.join(c)}" for a, c, _ in BAD])
+def test_unsupported_options_are_refused_by_name(arch, change, msg):
+    d = json.loads(hf_config(arch).to_json_string(use_diff=False))
+    _lm(d).update(change)
+    d = {k: v for k, v in d.items() if v is not None or k not in change}
+    with pytest.raises(ValueError, match=msg):
+        dense_names(MoEConfig.from_dict(d, source="c.json"))
+
+
+@pytest.mark.parametrize("arch", ["kimi_k25", "qwen3_vl_moe"])
+def test_multimodal_config_without_text_config(arch):
+    with pytest.raises(ValueError, match=f"c.json: {arch} config.json has no text_config"):
+        MoEConfig.from_dict({"model_type": arch}, source="c.json")
