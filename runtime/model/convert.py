@@ -60,80 +60,10 @@ def linear_names(cfg: MoEConfig, layer: int) -> dict:
 
 
 def dense_names(cfg: MoEConfig) -> dict:
-    """Every dense tensor the model needs -> expected shape."""
-    H, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
-    if cfg.attn_res_block_layers:
-        out["model.attn_res.final_query"] = (H,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, H)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
-        if i in cfg.linear_layers:
-            out.update(linear_names(cfg, i))
-        elif cfg.attention == "mla":
-            nh, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            if cfg.qkv_bias:
-                raise ValueError(f"{cfg.source}: attention_bias with MLA is not supported yet")
-            if cfg.q_lora_rank:
-                out.update({p + "self_attn.q_a_proj.weight": (cfg.q_lora_rank, H),
-                            p + "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
-                            p + "self_attn.q_b_proj.weight": (nh * qk, cfg.q_lora_rank)})
-            else:
-                out[p + "self_attn.q_proj.weight"] = (nh * qk, H)
-            out.update({p + "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
-                        p + "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-                        p + "self_attn.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                        p + "self_attn.o_proj.weight": (H, nh * cfg.v_head_dim)})
-        else:
-            qo = q * (2 if cfg.attn_output_gate else 1)      # gated attention: [q | gate] per head
-            out.update({p + "self_attn.q_proj.weight": (qo, H), p + "self_attn.k_proj.weight": (kv, H),
-                        p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)})
-        if cfg.attn_res_block_layers:
-            out.update({p + "attn_res.attn_query": (H,), p + "attn_res.mlp_query": (H,)})
-        if i not in cfg.linear_layers:   # the attention extras: biases, sinks, q/k norms
-            out.update(_attention_extras(cfg, p))
-        if i in cfg.moe_layers:
-            out[router_name(cfg, i)] = (cfg.num_experts, H)
-            if cfg.router_bias:
-                out[router_name(cfg, i).replace(".weight", ".bias")] = (cfg.num_experts,)
-            if cfg.latent_dim:
-                out[p + cfg.mlp_prefix + "latent_down.weight"] = (cfg.latent_dim, H)
-                out[p + cfg.mlp_prefix + "latent_up.weight"] = (H, cfg.latent_dim)
-            if cfg.router == "sigmoid_group":
-                out[correction_bias_name(cfg, i)] = (cfg.num_experts,)
-            elif cfg.router == "softmax_bias":   # ERNIE 4.5 stores it [1, E] (one group of experts)
-                out[correction_bias_name(cfg, i)] = (1, cfg.num_experts)
-            if cfg.shared_intermediate:
-                S, sp = cfg.shared_intermediate, p + cfg.shared_prefix
-                out.update({sp + "gate_proj.weight": (S, H), sp + "up_proj.weight": (S, H), sp + "down_proj.weight": (H, S)})
-                if cfg.shared_expert_gate:
-                    out[p + "mlp.shared_expert_gate.weight"] = (1, H)
-        else:
-            I = cfg.dense_intermediate
-            mp = p + cfg.mlp_prefix
-            out.update({mp + "gate_proj.weight": (I, H), mp + "up_proj.weight": (I, H), mp + "down_proj.weight": (H, I)})
-    return out
-
-
-def _attention_extras(cfg: MoEConfig, p: str) -> dict:
-    H, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    out = {}
-    if cfg.qkv_bias:
-        out.update({p + "self_attn.q_proj.bias": (q * (2 if cfg.attn_output_gate else 1),),
-                    p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
-    if cfg.o_bias:
-        out[p + "self_attn.o_proj.bias"] = (H,)
-    if cfg.attn_sinks:
-        out[p + "self_attn.sinks"] = (cfg.num_heads,)
-    if cfg.qk_norm == "head":
-        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-    elif cfg.qk_norm == "full":
-        out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
-    return out
+    """Every dense tensor the model needs -> expected shape: declared by the layers that take them
+    (runtime/model/moe.py ``dense_tensors``)."""
+    from .moe import dense_tensors
+    return dense_tensors(cfg)
 
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,

@@ -30,7 +30,7 @@ from .layers.rope import RotaryEmbedding, mla_softmax_scale, rope_frequencies
 from .layers.router import route
 from .layers.weights import layer_prefix, take, take_opt
 
-__all__ = ["MoEModel", "DecoderLayer", "ForwardContext", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
+__all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
            "TokenCacheSpec", "WindowCacheSpec", "cache_specs", "kv_bytes_per_token", "kv_shape",
            "state_bytes_per_sequence", "rms_norm", "route", "rope_frequencies", "mla_softmax_scale"]
 
@@ -48,15 +48,43 @@ class DecoderLayer:
     mlp_query: "torch.Tensor | None" = None
 
 
-def build_attention(cfg: MoEConfig, i: int, w: dict, index: dict):
-    """The attention kind of layer ``i``; ``index`` maps the layer to its place in its cache arena."""
+def attention_kind(cfg: MoEConfig, i: int):
+    """The attention class of layer ``i``: the one place the config picks it."""
     if i in cfg.linear_layers:
-        return LinearAttentionLayer(cfg, i, w, state_index=index["state"][i])
-    if cfg.attention == "mla":
-        return MLAttention(cfg, i, w, kv_index=index["paged"][i])
-    if i in index["window"]:
-        return Attention(cfg, i, w, ring_index=index["window"][i])
-    return Attention(cfg, i, w, kv_index=index["paged"][i])
+        return LinearAttentionLayer
+    return MLAttention if cfg.attention == "mla" else Attention
+
+
+def build_attention(cfg: MoEConfig, i: int, w: dict, index: dict):
+    """The attention layer ``i``; ``index`` maps the layer to its place in its cache arena."""
+    kind = attention_kind(cfg, i)
+    if kind is LinearAttentionLayer:
+        return kind(cfg, i, w, state_index=index["state"][i])
+    if kind is Attention and i in index["window"]:
+        return kind(cfg, i, w, ring_index=index["window"][i])
+    return kind(cfg, i, w, kv_index=index["paged"][i])
+
+
+def dense_tensors(cfg: MoEConfig) -> dict:
+    """Every dense checkpoint tensor the model takes -> expected shape, from the layers that take
+    them (convert reads exactly this table; MoEModel.unused lists what no layer took)."""
+    H = cfg.hidden_size
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if cfg.attn_res_block_layers:
+        out["model.attn_res.final_query"] = (H,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = layer_prefix(i)
+        out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+        if cfg.attn_res_block_layers:
+            out.update({p + "attn_res.attn_query": (H,), p + "attn_res.mlp_query": (H,)})
+        out.update(attention_kind(cfg, i).tensors(cfg, i))
+        if i in cfg.moe_layers:
+            out.update(MoEBlock.tensors(cfg, i))
+        else:
+            out.update(DenseMLP.tensors(p + cfg.mlp_prefix, cfg.dense_intermediate, H))
+    return out
 
 
 class MoEModel:

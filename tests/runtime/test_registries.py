@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cache_policy import cost_model as cm
-from cache_policy.policies import POLICIES, EvictionPolicy, register_policy
+from cache_policy.policies import POLICIES, NoCache, register_policy
 from cache_policy.replay import ReplayConfig, replay_batch
 from cache_policy.synthetic import SyntheticSpec, generate
 from runtime import quant
@@ -23,27 +23,11 @@ from runtime.store import Manifest
 import oracle
 
 
-class FIFO(EvictionPolicy):
-    """Evict the expert loaded longest ago; a hit does not refresh it."""
+class FIFO(NoCache):
+    """Evict the expert loaded longest ago; a hit does not refresh it. NoCache's bookkeeping (keys in
+    insertion order) without its clearing at each step."""
     name = "fifo"
-
-    def __init__(self) -> None:
-        self.keys: dict = {}
-
-    def on_hit(self, keys, t, aux):
-        pass
-
-    def on_insert(self, keys, t, aux):
-        self.keys.update(dict.fromkeys(keys))
-
-    def evict(self, n, protected):
-        out = [k for k in self.keys if k not in protected][:n]
-        for k in out:
-            del self.keys[k]
-        return out
-
-    def forget(self, key):
-        self.keys.pop(key, None)
+    clears_each_step = False
 
 
 class Int8Row(WeightFormat):

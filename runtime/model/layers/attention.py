@@ -51,9 +51,15 @@ class Attention:
             self.qk_w = torch.cat([q.expand(nh, -1), k.expand(self.nkv, -1)])
         self.sinks = take(w, p + "sinks") if cfg.attn_sinks else None
 
-    def tensors(self) -> list:
-        return [t for t in (self.qkv_w, self.qkv_b, self.o_w, self.o_b, getattr(self, "q_norm", None),
-                            getattr(self, "k_norm", None), getattr(self, "qk_w", None), self.sinks) if t is not None]
+    @staticmethod
+    def tensors(cfg: MoEConfig, i: int) -> dict:
+        """The checkpoint tensors this layer takes -> shape (convert's table is built from these)."""
+        p, H = layer_prefix(i), cfg.hidden_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qo = q * (2 if cfg.attn_output_gate else 1)      # gated attention: [q | gate] per head
+        return {p + "self_attn.q_proj.weight": (qo, H), p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                **attention_extras(cfg, p)}
 
     # -- pieces ----------------------------------------------------------------------------------
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -173,6 +179,25 @@ class Attention:
             RK[s.state, (new[n - m:] % W)] = qks[n - m:, nh:]
             RV[s.state, (new[n - m:] % W)] = v[b - m:b]
         return out.reshape(-1, nh * hd)
+
+
+def attention_extras(cfg: MoEConfig, p: str) -> dict:
+    """Biases, sinks and q/k norms of an attention layer whose tensors start with ``p``."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {}
+    if cfg.qkv_bias:
+        out.update({p + "self_attn.q_proj.bias": (q * (2 if cfg.attn_output_gate else 1),),
+                    p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+    if cfg.o_bias:
+        out[p + "self_attn.o_proj.bias"] = (H,)
+    if cfg.attn_sinks:
+        out[p + "self_attn.sinks"] = (cfg.num_heads,)
+    if cfg.qk_norm == "head":
+        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    elif cfg.qk_norm == "full":
+        out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
+    return out
 
 
 def decode_mask(ctx: ForwardContext) -> torch.Tensor:

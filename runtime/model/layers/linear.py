@@ -31,6 +31,11 @@ class LinearAttentionLayer:
         self.state_index = state_index
         self.layer = kind(lc, {n[len(p):]: take(w, n) for n in linear_names(cfg, i)}, name=f"layer {i}")
 
+    @staticmethod
+    def tensors(cfg: MoEConfig, i: int) -> dict:
+        """The checkpoint tensors this layer takes -> shape: its architecture module's table."""
+        return linear_names(cfg, i)
+
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Each sequence carries its recurrent and convolution state in its slot of the state arena.
         One token per sequence (decode, or one-token prompts): one batched step for all of them;

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MoEConfig
+from .attention import attention_extras
 from .context import ForwardContext
 from .norm import rms_norm
 from .rope import _no_rotation, _rotate, mla_softmax_scale, rope_interleaved
@@ -39,9 +40,23 @@ class MLAttention:
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
         self.rot = _no_rotation if not cfg.mla_rope else rope_interleaved if cfg.rope_interleave else _rotate
 
-    def tensors(self) -> list:
-        return [t for t in (self.q, getattr(self, "q_a", None), getattr(self, "q_a_norm", None),
-                            getattr(self, "q_b", None), self.kv_a, self.kv_a_norm, self.kv_b, self.o) if t is not None]
+    @staticmethod
+    def tensors(cfg: MoEConfig, i: int) -> dict:
+        """The checkpoint tensors this layer takes -> shape (convert's table is built from these)."""
+        if cfg.qkv_bias:
+            raise ValueError(f"{cfg.source}: attention_bias with MLA is not supported yet")
+        p, H = layer_prefix(i) + "self_attn.", cfg.hidden_size
+        nh, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            out = {p + "q_a_proj.weight": (cfg.q_lora_rank, H), p + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                   p + "q_b_proj.weight": (nh * qk, cfg.q_lora_rank)}
+        else:
+            out = {p + "q_proj.weight": (nh * qk, H)}
+        out.update({p + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
+                    p + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                    p + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                    p + "o_proj.weight": (H, nh * cfg.v_head_dim)})
+        return {**out, **attention_extras(cfg, layer_prefix(i))}
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         nh, nope, rope, vd, lat = self.nh, self.nope, self.rope, self.vd, self.lat

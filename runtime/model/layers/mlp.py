@@ -12,6 +12,11 @@ class DenseMLP:
         self.gate, self.up, self.down = (take(w, prefix + "gate_proj.weight"), take(w, prefix + "up_proj.weight"),
                                          take(w, prefix + "down_proj.weight"))
 
+    @staticmethod
+    def tensors(prefix: str, inter: int, hidden: int) -> dict:
+        return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+                prefix + "down_proj.weight": (hidden, inter)}
+
     def __call__(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         # x: [tokens, hidden]
         return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)

@@ -163,6 +163,26 @@ class MoEBlock:
         self.shared = DenseMLP(w, layer_prefix(i) + cfg.shared_prefix) if cfg.shared_intermediate else None
         self.shared_gate = take(w, layer_prefix(i) + "mlp.shared_expert_gate.weight") if cfg.shared_expert_gate else None
 
+    @staticmethod
+    def tensors(cfg: MoEConfig, i: int) -> dict:
+        """The dense checkpoint tensors this block takes -> shape (its experts go to the store)."""
+        H, E, p = cfg.hidden_size, cfg.num_experts, layer_prefix(i)
+        out = {router_name(cfg, i): (E, H)}
+        if cfg.router_bias:
+            out[router_name(cfg, i).replace(".weight", ".bias")] = (E,)
+        if cfg.latent_dim:
+            out[p + cfg.mlp_prefix + "latent_down.weight"] = (cfg.latent_dim, H)
+            out[p + cfg.mlp_prefix + "latent_up.weight"] = (H, cfg.latent_dim)
+        if cfg.router == "sigmoid_group":
+            out[correction_bias_name(cfg, i)] = (E,)
+        elif cfg.router == "softmax_bias":   # ERNIE 4.5 stores it [1, E] (one group of experts)
+            out[correction_bias_name(cfg, i)] = (1, E)
+        if cfg.shared_intermediate:
+            out.update(DenseMLP.tensors(p + cfg.shared_prefix, cfg.shared_intermediate, H))
+            if cfg.shared_expert_gate:
+                out[p + "mlp.shared_expert_gate.weight"] = (1, H)
+        return out
+
     # -- stages ----------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, bonus: "torch.Tensor | None" = None):
         """x: [tokens, hidden] -> (ids [tokens, k], weights [tokens, k] float32)."""

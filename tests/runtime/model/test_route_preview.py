@@ -11,6 +11,9 @@ def test_route_preview_equals_the_layers_routing(hf_model):
     name, ref, hf_dir, store_dir = hf_model
     model, store = load_model(store_dir)
     try:
+        # The dense-name table convert reads is the layers' own declaration: every tensor it lists
+        # was taken by a layer (one not taken would stay here; one not listed fails the load).
+        assert model.unused == [], (name, model.unused)
         routed, inputs = {}, {}
         model.record = lambda m, ids: routed.__setitem__(m, ids.clone())
         model.prefetch_hook = lambda m, used, x: inputs.__setitem__(m, x.clone())
