@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MoEConfig
+from .cache import TokenCacheSpec, WindowCacheSpec
 from .context import ForwardContext
 from .norm import rms_norm
 from .rope import rotate_half_roll
@@ -50,6 +51,13 @@ class Attention:
             q, k = take(w, p + "q_norm.weight"), take(w, p + "k_norm.weight")
             self.qk_w = torch.cat([q.expand(nh, -1), k.expand(self.nkv, -1)])
         self.sinks = take(w, p + "sinks") if cfg.attn_sinks else None
+
+    @staticmethod
+    def cache_spec(cfg: MoEConfig, i: int):
+        """What the layer caches: k and v per token, or, sliding-window, a ring of its window."""
+        if i in cfg.window_layers:
+            return WindowCacheSpec(cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        return TokenCacheSpec(cfg.num_kv_heads, cfg.head_dim)
 
     @staticmethod
     def tensors(cfg: MoEConfig, i: int) -> dict:

@@ -75,19 +75,11 @@ def kv_shape(cfg: MoEConfig) -> tuple:
 
 
 def cache_specs(cfg: MoEConfig) -> dict:
-    """Layer index -> what it caches per sequence: TokenCacheSpec (grows with every token) or
-    StateCacheSpec (fixed). One budget covers both (MoEModel.init_kv)."""
-    h, d, v = kv_shape(cfg)
-    out = {i: TokenCacheSpec(h, d, v) for i in cfg.paged_layers}
-    out.update({i: WindowCacheSpec(h, d, cfg.sliding_window, v) for i in cfg.window_layers})
-    for i in cfg.linear_layers:
-        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
-        if cfg.linear_kind == "kda":        # keys and values of one size; q, k, v each convolved
-            out[i] = StateCacheSpec(recurrent=(H, K, K), conv=(3 * H * K, W - 1))
-        else:                               # Gated DeltaNet: a [Dk, Dv] memory per value head
-            Hv, V = cfg.linear_num_v_heads, cfg.linear_value_head_dim
-            out[i] = StateCacheSpec(recurrent=(Hv, K, V), conv=(2 * H * K + Hv * V, W - 1))
-    return dict(sorted(out.items()))
+    """Layer index -> what it caches per sequence: TokenCacheSpec (grows with every token),
+    WindowCacheSpec or StateCacheSpec (fixed), as each layer's attention kind declares it
+    (``cache_spec``). One budget covers all of them (MoEModel.init_kv)."""
+    from ..moe import attention_kind       # the layer kinds import this module
+    return {i: attention_kind(cfg, i).cache_spec(cfg, i) for i in range(cfg.num_layers)}
 
 
 def kv_bytes_per_token(cfg: MoEConfig, dtype) -> int:

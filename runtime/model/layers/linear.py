@@ -8,6 +8,7 @@ from ..config import MoEConfig
 from ..convert import linear_names
 from ..linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, KimiDeltaAttention,
                                 LinearAttentionState)
+from .cache import StateCacheSpec
 from .context import ForwardContext
 from .weights import layer_prefix, take
 
@@ -30,6 +31,15 @@ class LinearAttentionLayer:
         p = layer_prefix(i) + cfg.linear_prefix
         self.state_index = state_index
         self.layer = kind(lc, {n[len(p):]: take(w, n) for n in linear_names(cfg, i)}, name=f"layer {i}")
+
+    @staticmethod
+    def cache_spec(cfg: MoEConfig, i: int) -> StateCacheSpec:
+        """A fixed state per sequence: the recurrent memory (float32) and the short convolution's inputs."""
+        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
+        if cfg.linear_kind == "kda":        # keys and values of one size; q, k, v each convolved
+            return StateCacheSpec(recurrent=(H, K, K), conv=(3 * H * K, W - 1))
+        Hv, V = cfg.linear_num_v_heads, cfg.linear_value_head_dim   # Gated DeltaNet: a [Dk, Dv] memory per value head
+        return StateCacheSpec(recurrent=(Hv, K, V), conv=(2 * H * K + Hv * V, W - 1))
 
     @staticmethod
     def tensors(cfg: MoEConfig, i: int) -> dict:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..config import MoEConfig
 from .attention import attention_extras
+from .cache import TokenCacheSpec
 from .context import ForwardContext
 from .norm import rms_norm
 from .rope import _no_rotation, _rotate, mla_softmax_scale, rope_interleaved
@@ -39,6 +40,11 @@ class MLAttention:
         self.o = take(w, p + "o_proj.weight")
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
         self.rot = _no_rotation if not cfg.mla_rope else rope_interleaved if cfg.rope_interleave else _rotate
+
+    @staticmethod
+    def cache_spec(cfg: MoEConfig, i: int) -> TokenCacheSpec:
+        """Per token one "head": the normalised KV latent and the shared rotary key, no v."""
+        return TokenCacheSpec(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, with_v=False)
 
     @staticmethod
     def tensors(cfg: MoEConfig, i: int) -> dict:
