@@ -233,7 +233,7 @@ def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path):
     vision tensors are reported as not read) and decodes as transformers' multimodal model does on text."""
     import transformers
     torch.manual_seed(0)
-    text = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    text = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_experts=16, num_experts_per_tok=2,
                 moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
