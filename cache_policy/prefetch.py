@@ -159,7 +159,10 @@ class GateLookaheadPrefetcher(Prefetcher):
     def predict(self, target_layer, experts, budget):
         if self.hidden is None:
             return []
-        ids = np.asarray(self.gate_fn(target_layer, self.hidden)).reshape(-1)   # ids: [tokens * k]
+        ids = self.gate_fn(target_layer, self.hidden)
+        if hasattr(ids, "cpu"):               # a torch tensor, on the model's device
+            ids = ids.cpu().numpy()
+        ids = np.asarray(ids).reshape(-1)                                       # ids: [tokens * k]
         return _top(np.bincount(ids, minlength=self.E).astype(np.float64), budget)
 
 
@@ -308,6 +311,8 @@ class PrefetchController:
         if hidden is not None and isinstance(self.pf, GateLookaheadPrefetcher):
             self.pf.set_hidden(hidden)
         ranked = self.pf.predict(target, experts, max(self.budget, 1))
+        if hidden is not None and isinstance(self.pf, GateLookaheadPrefetcher):
+            self.pf.set_hidden(None)          # the step's activations are not kept past the prediction
         self.predicted += len(ranked)
         return ranked
 

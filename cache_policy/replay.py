@@ -163,13 +163,13 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                              fit_trace=cfg.fit_trace if cfg.prefetch == "transition" else None,
                              model_path=cfg.transition_model)
     wants = factory().wants if cfg.policy != "belady" else "next_use"
-    run = _run_groups(groups, place, ctl, cost, future, wants, cfg, L, E, budget, progress)
+    run = _run_groups(groups, place, ctl, cost, future, wants, cfg, L, E, progress)
     run["wall"] = time.perf_counter() - t_start
     return _report(trace, cfg, int(batch), groups, place, ctl, size, run,
                    dict(dev_slots=dev_slots, host_slots=host_slots, warm=warm, budget=budget))
 
 
-def _run_groups(groups: Groups, place, ctl, cost, future, wants, cfg: ReplayConfig, L, E, budget, progress) -> dict:
+def _run_groups(groups: Groups, place, ctl, cost, future, wants, cfg: ReplayConfig, L, E, progress) -> dict:
     """Every group through placement (and the prefetch controller), in chunks of 64k groups.
     Returns the flat per-group records, the prefetch loads landing per group and the host seconds."""
     G = len(groups.ptr) - 1
@@ -191,8 +191,7 @@ def _run_groups(groups: Groups, place, ctl, cost, future, wants, cfg: ReplayConf
         else:
             wts = weights_all[pa:pb].tolist() if weights_all is not None else None
             cnts = groups.count[pa:pb].tolist()
-            _general(place, ctl, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget,
-                     rec, pref, host_sec)
+            _general(place, ctl, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, rec, pref, host_sec)
         if progress is not None:
             progress(c1, G)
     return {"R": np.frombuffer(rec, dtype=np.int64).reshape(G, 6), "pref": pref[:G], "host_sec": host_sec[:G]}
@@ -320,8 +319,7 @@ def _demand_only(place, keys, aux, ptr, pa, c0, c1, L, rec):
     place.device_evictions += evictions
 
 
-def _general(place, ctl, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, budget, rec, pref,
-             host_sec):
+def _general(place, ctl, cost, future, keys, aux, wts, cnts, ptr, pa, c0, c1, G, L, E, rec, pref, host_sec):
     t, layer = divmod(c0, L)
     pf, gate = ctl.pf, ctl.gate
     access = place.access

@@ -293,8 +293,9 @@ def cmd_convert(a) -> int:
     return 0
 
 
-def _runtime_config(a):
-    """The command line's runtime configuration (runtime/config.py), validated once."""
+def _runtime_config(a, max_active="args"):
+    """The command line's runtime configuration (runtime/config.py), validated once. ``max_active``:
+    the value to configure (generate applies --max-active to its own batch: RuntimeConfig.engine)."""
     from .config import RuntimeConfig
     try:
         return RuntimeConfig(model=a.model, device_budget=_budget(a.device_budget, "--device-budget"),
@@ -302,7 +303,8 @@ def _runtime_config(a):
                              host_budget=_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
                              prefetch=a.prefetch, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
                              threads=getattr(a, "threads", None), cache_bonus=a.cache_bonus, schedule=a.schedule,
-                             max_active=a.max_active, cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
+                             max_active=a.max_active if max_active == "args" else max_active,
+                             cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
                              profile=a.profile)
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -325,11 +327,11 @@ def cmd_generate(a) -> int:
         prompts = [tok.encode(p) for p in a.prompt]
     else:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
-    cfg = _runtime_config(a)
+    cfg = _runtime_config(a, max_active=None)
     model, store = cfg.load(progress=sys.stderr.isatty())
     try:
         # generate knows its batch: no more sequences than prompts run at once
-        eng = cfg.engine(model, store, max_batch=len(prompts))
+        eng = cfg.engine(model, store, max_batch=len(prompts), max_active=a.max_active)
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 seed=a.seed)
         ids = [eng.add_request(p, params) for p in prompts]

@@ -30,11 +30,10 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         from cache_policy.cost_model import load_profile
-        from cache_policy.keys import SCOPES, CpuExperts
+        from cache_policy.keys import SCHEDULES, SCOPES, CpuExperts
         from cache_policy.policies import live_policies
         from cache_policy.prefetch import LIVE_PREFETCHERS
         from cache_policy.replay import PREFETCH_RULES
-        from .engine.scheduler import SCHEDULES
         if not os.path.isfile(os.path.join(self.model, "manifest.json")):
             raise ValueError(f"--model {self.model!r}: not a store directory (no manifest.json); "
                              f"run 'tiered-moe convert' first")
@@ -72,12 +71,15 @@ class RuntimeConfig:
                           scope=self.scope, cpu_experts=self.cpu_experts, profile=self.profile,
                           max_batch=self.max_batch, progress=progress)
 
-    def engine(self, model, store, *, max_batch: "int | None" = None, keep_records: bool = True):
-        """The engine over ``model`` and ``store``; ``max_batch`` lowers the configured one (generate
-        knows its batch)."""
+    def engine(self, model, store, *, max_batch: "int | None" = None, max_active: "int | None" = None,
+               keep_records: bool = True):
+        """The engine over ``model`` and ``store``. ``max_batch`` lowers the configured one and
+        ``max_active`` is then raised to at least it (generate knows its batch: no more sequences
+        than prompts run at once)."""
         from .engine import Engine
         batch = min(self.max_batch, max_batch or self.max_batch)
-        max_active = None if self.max_active is None else max(self.max_active, batch)
+        max_active = max_active if max_active is not None else self.max_active
+        max_active = None if max_active is None else max(max_active, batch)
         return Engine(model, store, max_batch=batch, prefill_chunk=self.prefill_chunk, prefetch=self.prefetch,
                       cache_bonus=self.cache_bonus, schedule=self.schedule, max_active=max_active,
                       prefetch_rule=self.prefetch_rule, keep_records=keep_records)

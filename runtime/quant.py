@@ -395,7 +395,13 @@ def dense_format_of(dtype: torch.dtype) -> WeightFormat:
                      f"recognised quantized layout")
 
 
-# One expert's logical weights and the codec that turns a blob into float operands: expert_codec.py,
-# re-exported here (they build on the formats above).
-from .expert_codec import (ExpertCodec, ExpertWeights, WeightSpec, blob_tensor_specs,  # noqa: E402,F401
-                           encode_expert, expert_weight_specs)
+# One expert's logical weights and the codec that turns a blob into float operands live in
+# expert_codec.py (they build on the formats above); these names are re-exported from there.
+_CODEC_NAMES = ("ExpertCodec", "ExpertWeights", "WeightSpec", "blob_tensor_specs", "encode_expert", "expert_weight_specs")
+
+
+def __getattr__(name: str):
+    if name in _CODEC_NAMES:
+        from . import expert_codec
+        return getattr(expert_codec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -75,7 +75,7 @@ class Engine:
             # Linear-attention layers: a fixed state slot per running sequence comes out of the same budget.
             model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token()
                           + max_active * model.state_bytes_per_sequence(), max_seqs=max_active)
-        self.scheduler = Scheduler(model.kv.manager, max_batch=max_batch, max_active=max_active,
+        self.scheduler = Scheduler(lambda: self.model.kv.manager, max_batch=max_batch, max_active=max_active,
                                    prefill_chunk=prefill_chunk, step_tokens=self._step_tokens(max_batch),
                                    schedule=schedule, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
                                    eos_token_ids=cfg.eos_token_ids)

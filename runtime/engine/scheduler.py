@@ -13,12 +13,14 @@ from .request import FinishReason, Request, SchedulerOutput, StepOutput, sample
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_batch: int, max_active: int, prefill_chunk: int,
+    def __init__(self, blocks, *, max_batch: int, max_active: int, prefill_chunk: int,
                  step_tokens: "int | None", schedule: str, num_moe_layers: int, num_experts: int,
                  eos_token_ids=()) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose {' or '.join(SCHEDULES)}")
-        self.blocks = blocks
+        # The cache's BlockManager, or a callable that returns the current one (the engine's: a model
+        # whose cache is re-made keeps one truth of what is free).
+        self._blocks = blocks
         self.max_batch, self.max_active, self.prefill_chunk = max_batch, max_active, prefill_chunk
         # A layer's experts must fit the device tier when the host does not hold every expert: a
         # step then feeds at most this many tokens (None: no limit).
@@ -29,6 +31,10 @@ class Scheduler:
         self.waiting: list = []
         self.running: list = []
         self.preemptions = 0
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self._blocks() if callable(self._blocks) else self._blocks
 
     def add(self, r: Request) -> None:
         self.waiting.append(r)

@@ -1,4 +1,5 @@
 import numpy as np
+import torch
 import pytest
 
 import oracle
@@ -58,6 +59,17 @@ def test_lookahead_needs_a_model_and_uses_the_gate():
         ReplayConfig(prefetch="lookahead")
     # The preview's expert ids per token: expert 1 chosen by both tokens, 0 and 3 by one (ties: lower id).
     g = GateLookaheadPrefetcher(lambda layer, h: np.array([[1, 3], [0, 1]]), num_experts=4)
+    g.set_hidden(object())
+    assert g.predict(1, [], 2) == [1, 0]
+    # The live model's preview is a tensor on its device (CUDA): it is brought to the host first.
+
+    class OnDevice:                 # numpy cannot read it; .cpu() gives a host copy
+        def __array__(self, *a, **k):
+            raise TypeError("can't convert cuda tensor to numpy")
+
+        def cpu(self):
+            return torch.tensor([[1, 3], [0, 1]])
+    g = GateLookaheadPrefetcher(lambda layer, h: OnDevice(), num_experts=4)
     g.set_hidden(object())
     assert g.predict(1, [], 2) == [1, 0]
     with pytest.raises(ValueError, match="unknown prefetcher 'magic'"):

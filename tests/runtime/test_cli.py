@@ -135,6 +135,10 @@ def test_convert_generate_roundtrip(tmp_path):
             "--max-tokens", "3", "--device-budget", str(200 * 1024), "--json")
     out = [json.loads(x) for x in p.stdout.splitlines()]
     assert [len(o["tokens"]) for o in out[:2]] == [3, 3] and out[2]["generated_tokens"] == 6
+    # --max-active applies to generate's own batch (the prompts), not the default --max-batch of 16
+    p = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1,2,3", "--max-tokens", "3",
+            "--max-active", "4", "--json")
+    assert len(json.loads(p.stdout.splitlines()[0])["tokens"]) == 3
     bad = cli("generate", "--model", str(tmp_path / "store"), "--prompt-ids", "1", "--device-budget", "12 apples",
               check=False)
     assert bad.returncode == 2 and "give bytes (200000) or a size" in bad.stderr
