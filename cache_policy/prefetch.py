@@ -24,6 +24,9 @@ class Prefetcher:
     def observe(self, layer: int, experts, weights, t: int) -> None:
         pass
 
+    def set_hidden(self, hidden) -> None:
+        """The live model's hidden state for the next prediction (only lookahead reads it)."""
+
     def predict(self, target_layer: int, experts, budget: int) -> list:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -308,11 +311,9 @@ class PrefetchController:
         self.pf.observe(layer, experts, weights, t)
 
     def predict(self, target: int, experts, hidden=None) -> list:
-        if hidden is not None and isinstance(self.pf, GateLookaheadPrefetcher):
-            self.pf.set_hidden(hidden)
+        self.pf.set_hidden(hidden)
         ranked = self.pf.predict(target, experts, max(self.budget, 1))
-        if hidden is not None and isinstance(self.pf, GateLookaheadPrefetcher):
-            self.pf.set_hidden(None)          # the step's activations are not kept past the prediction
+        self.pf.set_hidden(None)              # the step's activations are not kept past the prediction
         self.predicted += len(ranked)
         return ranked
 

@@ -129,6 +129,8 @@ class MoEModel:
             self.layers.append(DecoderLayer(i, attn, ffn, take(w, pre + "input_layernorm.weight"),
                                             take(w, pre + "post_attention_layernorm.weight"), *q))
         self.moe_blocks = [self.layers[i].ffn for i in cfg.moe_layers]
+        # GQA layers read cos / sin broadcast over heads: built once per forward only when one exists.
+        self.gqa = any(isinstance(layer.attn, Attention) for layer in self.layers)
         self.embed = take(w, "model.embed_tokens.weight")
         self.norm = take(w, "model.norm.weight")
         self.final_query = take(w, "model.attn_res.final_query") if cfg.attn_res_block_layers else None
@@ -236,7 +238,7 @@ class MoEModel:
             if not self.kv.ensure(sq, sq.length + len(c)):
                 raise KVFull(f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) has no free "
                              f"block for a sequence of {sq.length + len(c)} tokens")
-        ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=cfg.attention != "mla", device=self.device,
+        ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=self.gqa, device=self.device,
                             step=self.step, cache_bonus=self.cache_bonus, record=self.record,
                             after_moe=self.prefetch_hook)
         x = self.embed[torch.tensor(flat, device=self.device)]           # x: [tokens, hidden]

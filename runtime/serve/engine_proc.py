@@ -55,12 +55,9 @@ def _engine_stats(eng) -> dict:
 
 
 def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
-    import torch
     import zmq
     from ..engine import FinishReason, SamplingParams
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model, store = cfg.load()
+    model, store = cfg.load()          # sets the configured torch threads
     try:
         eng = cfg.engine(model, store, keep_records=False)
         mc = model.cfg

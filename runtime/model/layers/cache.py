@@ -67,11 +67,12 @@ class StateCacheSpec:
 
 
 def kv_shape(cfg: MoEConfig) -> tuple:
-    """(heads, dim, with_v) of one token of one per-token layer's cache. MLA caches the compressed
-    latent (kv_lora_rank) and the shared rotary key per token."""
-    if cfg.attention == "mla":
-        return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
-    return cfg.num_kv_heads, cfg.head_dim, True
+    """(heads, dim, with_v) of one token of the layers that cache keys (paged or ring), as their
+    cache specs declare it (MLA: one "head" of latent + rotary key, no v)."""
+    for spec in cache_specs(cfg).values():
+        if isinstance(spec, (TokenCacheSpec, WindowCacheSpec)):
+            return spec.heads, spec.dim, spec.with_v
+    return 1, 1, False          # every layer linear: no key is cached
 
 
 def cache_specs(cfg: MoEConfig) -> dict:
@@ -181,7 +182,8 @@ class PagedKV:
                 n += t.numel() * t.element_size()
         return n
 
-    _MANAGER_VIEW = frozenset(("num_blocks", "block_size", "state_slots", "free_blocks", "free_sequences"))
+    _MANAGER_VIEW = frozenset(("num_blocks", "block_size", "state_slots", "free_blocks", "free_sequences",
+                               "blocks_for", "ensure", "release"))
 
     def __getattr__(self, name: str):
         # The manager's figures, for callers that hold the cache (only those: no other attribute leaks).
@@ -189,11 +191,3 @@ class PagedKV:
             return getattr(self.manager, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def blocks_for(self, tokens: int) -> int:
-        return self.manager.blocks_for(tokens)
-
-    def ensure(self, seq: Sequence, tokens: int) -> bool:
-        return self.manager.ensure(seq, tokens)
-
-    def release(self, seq: Sequence) -> None:
-        self.manager.release(seq)
