@@ -92,6 +92,10 @@ def _add_hybrid_args(p, live: bool = True) -> None:
                    help=f"{' or '.join(PREFETCH_RULES)}; cost (default): prefetch an expert only when p(needed) x time saved exceeds the link time it "
                         "takes from demand loads; always: every prediction up to the budget")
     if live:
+        p.add_argument("--host-act-quant", default="none", choices=["none", "q8"],
+                       help="4-bit (mxfp4, int4) experts computed on the CPU: none (default) = float32 activations, "
+                            "exact to float32 rounding; q8 = activations rounded to 8 bits per 32 values and integer "
+                            "dot products, as llama.cpp does (faster where the CPU is the limit, ~1%% output error)")
         p.add_argument("--profile", default=None, help="hardware profile of those decisions (default: cpu without "
                                                        "CUDA, h200 with it), or a profile JSON file")
 

@@ -194,3 +194,10 @@ def test_console_script_demo_help_replay_convert_generate(installed):
              "--device-budget", "200KiB", "--json"], cwd=work, env=env)
     out = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(out[0]["tokens"]) == 5 and out[1]["generated_tokens"] == 5
+    # The host kernels compile from the wheel's own source, into the user's cache.
+    r = run([os.path.join(venv, "bin", "python"), "-c",
+             "from runtime import kernels; print(kernels.SRC); print(kernels.lib() is not None, kernels.unavailable())"],
+            cwd=work, env=env)
+    src_path, ok = r.stdout.splitlines()[-2:]
+    assert "site-packages" in src_path and ok.startswith("True"), r.stdout
+    assert any(f.endswith(".so") for f in os.listdir(os.path.join(work, "cache", "tiered-moe", "kernels")))

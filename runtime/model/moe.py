@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .attn_res import BlockAttnRes
 from .config import MoEConfig
 from .layers.attention import Attention
@@ -28,7 +29,8 @@ from .layers.moe_block import ExpertExecutor, MoEBlock
 from .layers.norm import rms_norm
 from .layers.rope import RotaryEmbedding, mla_softmax_scale, rope_frequencies
 from .layers.router import route
-from .layers.weights import layer_prefix, take, take_opt
+from .layers.dense import Linear
+from .layers.weights import DenseTensors, layer_prefix, take, take_raw
 
 __all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
            "TokenCacheSpec", "WindowCacheSpec", "cache_specs", "kv_bytes_per_token", "kv_shape",
@@ -89,7 +91,7 @@ def dense_tensors(cfg: MoEConfig) -> dict:
 
 class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32,
-                 kv_bytes: "int | None" = None) -> None:
+                 kv_bytes: "int | None" = None, host_act_quant: str = "none") -> None:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         # Set by the engine between steps; read into each forward's ForwardContext.
         self.cache_bonus = 0.0            # cache-aware routing: added to resident experts' router logits
@@ -101,14 +103,13 @@ class MoEModel:
             for k in list(dense):
                 if k.endswith(("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")) or k == "model.norm.weight":
                     dense[k] = dense[k].float() + cfg.norm_offset
-        # Takes ownership of `dense` (converted in place, then taken apart by the layers) so replaced
-        # tensors are freed at once.
-        for k in list(dense):
-            dense[k] = dense[k].to(device=device, dtype=dtype)
-        w = dense
+        # Takes ownership of `dense`: the layers take it apart, each tensor converted to the compute
+        # dtype as it is taken (layers/weights.py), so at most one converted copy is alive at a time.
+        w = DenseTensors(dense, device, dtype)
+        dense.clear()
         self.rope = RotaryEmbedding(cfg, device, dtype)
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-        self.executor = ExpertExecutor(cfg, experts, dtype, device)
+        self.executor = ExpertExecutor(cfg, experts, dtype, device, host_act_quant)
         self.kv = None            # PagedKV, made by init_kv (the engine sizes it; else on first use)
         self.kv_bytes = kv_bytes
         # Per-token layers index the paged KV cache, linear-attention layers the state arena,
@@ -134,9 +135,8 @@ class MoEModel:
         self.embed = take(w, "model.embed_tokens.weight")
         self.norm = take(w, "model.norm.weight")
         self.final_query = take(w, "model.attn_res.final_query") if cfg.attn_res_block_layers else None
-        # An untied lm_head input-major ([hidden, vocab]), as the attention weights.
-        head = take_opt(w, "lm_head.weight")
-        self.head_t = head.t().contiguous() if head is not None else None
+        # An untied lm_head is a Linear like the attention weights (kept bf16 where that pays).
+        self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype) if "lm_head.weight" in w else None
         self.unused = sorted(w)    # dense tensors of the store no layer reads (none for a supported model)
 
     @property
@@ -220,6 +220,7 @@ class MoEModel:
         bench/decode_speed.py 0.56 s and 2.5 s. Large forwards (long prefills, big batches) use
         every thread; on a machine whose cores are busy anyway, ``--threads 1`` is faster still."""
         want = torch.get_num_threads()
+        kernels.set_threads(want)         # the host kernels split even one token's experts
         use = max(1, min(want, sum(len(c) for c in chunks) // self.tokens_per_thread))
         if use == want:
             return self._forward(seqs, chunks)
@@ -247,8 +248,8 @@ class MoEModel:
             s.length += len(c)
         last = torch.tensor([b - 1 for _, b in ctx.spans], device=self.device)
         h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
-        if self.head_t is not None:
-            return torch.mm(h, self.head_t).float()
+        if self.head is not None:
+            return self.head(h).float()
         return torch.nn.functional.linear(h, self.embed).float()   # tied: the embedding's rows
 
     def run_layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ... import kernels
 from ..config import MoEConfig
 from .cache import TokenCacheSpec, WindowCacheSpec
 from .context import ForwardContext
 from .norm import rms_norm
 from .rope import rotate_half_roll
-from .weights import layer_prefix, take, take_opt
+from .dense import Linear
+from .weights import compute_dtype, layer_prefix, take, take_opt, take_raw
 
 
 class Attention:
@@ -32,18 +34,17 @@ class Attention:
             # q_proj gives [q | gate] per head; its rows regrouped once to q (all heads) then gate (all
             # heads), and the gate moved after v: the projection is [q | k | v | gate].
             for suffix in suffixes:
-                t = take(w, f"{p}q_proj.{suffix}")
+                t = take_raw(w, f"{p}q_proj.{suffix}")
                 t = t.reshape(nh, 2, hd, *t.shape[1:])
                 w[f"{p}q_proj.{suffix}"] = t[:, 0].reshape(nh * hd, *t.shape[3:])
                 w[f"{p}g_proj.{suffix}"] = t[:, 1].reshape(nh * hd, *t.shape[3:])
         parts = "qkvg" if cfg.attn_output_gate else "qkv"
         self.gated = cfg.attn_output_gate
-        # Concatenated copies replace q, k, v: one copy in memory, input-major ([in, out]) like the
-        # experts: at decode's few rows, x @ w over it is a faster CPU kernel than F.linear's
-        # (200 vs 330 us for [1, 512] x [512, 1024] on this project's 2-core machine).
-        self.qkv_w = torch.cat([take(w, f"{p}{n}_proj.weight") for n in parts]).t().contiguous()
-        self.qkv_b = torch.cat([take(w, f"{p}{n}_proj.bias") for n in parts]) if cfg.qkv_bias else None
-        self.o_w, self.o_b = take(w, p + "o_proj.weight"), take_opt(w, p + "o_proj.bias")
+        # One concatenated copy replaces q, k, v (one product; layers/dense.py keeps it bf16 where that pays).
+        qkv = torch.cat([take_raw(w, f"{p}{n}_proj.weight") for n in parts])
+        dt = compute_dtype(w, qkv)
+        self.qkv = Linear(qkv, torch.cat([take_raw(w, f"{p}{n}_proj.bias") for n in parts]) if cfg.qkv_bias else None, dt)
+        self.o = Linear(take_raw(w, p + "o_proj.weight"), take_opt(w, p + "o_proj.bias"), dt)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "full":       # over the whole q / k projection (OLMoE, MiniMax-M2)
             self.q_norm, self.k_norm = take(w, p + "q_norm.weight"), take(w, p + "k_norm.weight")
@@ -84,7 +85,7 @@ class Attention:
         out: [tokens, heads * hd]."""
         if self.gated:
             out = out * torch.sigmoid(qkv[:, (self.nh + 2 * self.nkv) * self.hd:])
-        return F.linear(out, self.o_w, self.o_b)
+        return self.o(out)
 
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
         """q: [B, heads, Tq, hd]; k, v: [B, kv_heads, n, hd]; mask: bool, broadcast to [B, heads, Tq, n].
@@ -108,8 +109,7 @@ class Attention:
         Returns qkv [tokens, ...], qk [tokens, heads + kv, hd], v [tokens, kv, hd]."""
         nh, nkv, hd = self.nh, self.nkv, self.hd
         nq = nh + nkv
-        b = self.qkv_b
-        qkv = torch.mm(x, self.qkv_w) if b is None else torch.addmm(b, x, self.qkv_w)
+        qkv = self.qkv(x)
         v = qkv[:, nq * hd:(nq + nkv) * hd].view(-1, nkv, hd)
         if self.qk_norm == "full":
             q = rms_norm(qkv[:, :nh * hd], self.q_norm, self.eps)
@@ -130,6 +130,9 @@ class Attention:
         nh, hd = self.nh, self.hd
         K, V = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]          # [token slots, kv, hd]
         if ctx.decode:
+            out = self._decode_kernel(qk, v, ctx, K, V)
+            if out is not None:
+                return self._out(out, qkv)
             # One token per sequence: one write and one batched product for all of them.
             B = len(ctx.seqs)
             cos, sin = ctx.rope_heads                                    # [B, 1, rotary dim]
@@ -152,6 +155,27 @@ class Attention:
             o = self._sdpa(qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)
         return self._out(out.reshape(-1, nh * hd), qkv)
+
+    def _decode_kernel(self, qk, v, ctx: ForwardContext, K, V) -> "torch.Tensor | None":
+        """Decode on a CPU in one host-kernel call (runtime/kernels: RoPE, the k / v writes and the
+        attention of every sequence and head), in place of ~10 torch ops of a few rows each. None
+        where the torch path must run (sinks, another dtype or device, an unusual layout)."""
+        lib = kernels.lib() if qk.device.type == "cpu" else None
+        cos, ssin = ctx.rope_heads
+        rd = self.rotary_dim or self.hd
+        if (lib is None or self.sinks is not None or qk.dtype != torch.float32 or K.dtype != torch.float32
+                or qk.stride(2) != 1 or qk.stride(1) != self.hd or v.stride(2) != 1 or v.stride(1) != self.hd
+                or not (K.is_contiguous() and V.is_contiguous() and cos.is_contiguous() and ssin.is_contiguous())
+                or cos.shape[-1] != rd or rd > 1024 or ctx.read.dtype != torch.int64):
+            return None
+        B, n = ctx.read.shape
+        out = torch.empty(B, self.nh * self.hd)
+        scratch = torch.empty(B * self.nh * n)
+        lib.tm_gqa_decode(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(), ssin.data_ptr(), rd,
+                          K.data_ptr(), V.data_ptr(), ctx.write.data_ptr(), ctx.read.data_ptr(), n, ctx.pos.data_ptr(),
+                          B, self.nh, self.nkv, self.hd, self.hd ** -0.5, out.data_ptr(), scratch.data_ptr(),
+                          kernels.threads())
+        return out
 
     def _ring(self, qk: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """A sliding-window layer: each sequence's slot holds a ring of its last W keys and values

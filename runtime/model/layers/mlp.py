@@ -4,13 +4,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .weights import take
+from .dense import Linear
+from .weights import compute_dtype, take_raw
 
 
 class DenseMLP:
     def __init__(self, w: dict, prefix: str) -> None:
-        self.gate, self.up, self.down = (take(w, prefix + "gate_proj.weight"), take(w, prefix + "up_proj.weight"),
-                                         take(w, prefix + "down_proj.weight"))
+        gate, up = take_raw(w, prefix + "gate_proj.weight"), take_raw(w, prefix + "up_proj.weight")
+        self.inter = gate.shape[0]
+        self.gate_up = Linear(torch.cat([gate, up]), None, compute_dtype(w, gate))   # [gate | up]: one product
+        self.down = Linear(take_raw(w, prefix + "down_proj.weight"), None, compute_dtype(w, gate))
 
     @staticmethod
     def tensors(prefix: str, inter: int, hidden: int) -> dict:
@@ -19,4 +22,5 @@ class DenseMLP:
 
     def __call__(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         # x: [tokens, hidden]
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        h = self.gate_up(x)                                              # h: [tokens, 2 inter]
+        return self.down(F.silu(h[:, :self.inter]) * h[:, self.inter:])

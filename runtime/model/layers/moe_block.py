@@ -13,13 +13,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ... import kernels
+from ...kernels.moe import HostMoE, unsupported
 from ...quant import ExpertCodec
 from ..config import MoEConfig
 from ..convert import correction_bias_name, router_name
 from .context import ForwardContext
 from .mlp import DenseMLP
 from .router import ROUTERS, route
-from .weights import layer_prefix, take, take_opt
+from .dense import Linear
+from .weights import compute_dtype, layer_prefix, take, take_opt, take_raw
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,20 @@ class ExpertExecutor:
     """Computes experts from their store tensors. Float operands of an expert come from its blob:
     views for float stores, dequantized into one reused scratch for quantized ones (runtime/quant.py)."""
 
-    def __init__(self, cfg: MoEConfig, store, dtype, device) -> None:
+    def __init__(self, cfg: MoEConfig, store, dtype, device, act_quant: str = "none") -> None:
         self.I, self.clamped = cfg.expert_intermediate, cfg.expert_act == "swiglu_clamp"
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.dtype = dtype
         self.codec = ExpertCodec(store.m.weights, dtype, device)
         self._host_codec = self._host_pool = None    # hybrid execution with CUDA (see host_job)
         self.host_worker_on_cpu = False   # tests: run the CUDA path's CPU worker on a CPU-only machine too
-        # Half-precision experts computed in float32 (a CPU): keep converted copies of as many
-        # experts as the device tier holds, so an expert is widened once, not at every step.
-        if self.codec.widen:
+        # Experts on the CPU: one grouped kernel call per layer over the stored bytes (runtime/kernels);
+        # None where the layout or the machine has no kernel (then the reference path below).
+        self.kernel, self.kernel_off = host_kernel(cfg, store.m.weights, act_quant)
+        # Half-precision experts computed in float32 by the reference path (a CPU): keep converted
+        # copies of as many experts as the device tier holds, so an expert is widened once, not at
+        # every step. The kernel reads them as stored: no copies.
+        if self.codec.widen and (self.kernel is None or self.codec.device.type != "cpu"):
             slots = store.capacity_bytes()["device"] // store.m.blob_stride
             self.codec.cache_bytes = slots * self.codec.operand_bytes
 
@@ -98,16 +105,15 @@ class ExpertExecutor:
             self._host_pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-moe-host-experts")
         spans = [(off[e], off[e + 1]) for e in host]
         idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(xs.device)
-        x_cpu = xs.index_select(0, idx).to("cpu", self._host_codec.compute_dtype)   # x_cpu: [n, hidden or latent]
+        cd = torch.float32 if self.kernel is not None else self._host_codec.compute_dtype
+        x_cpu = xs.index_select(0, idx).to("cpu", cd).contiguous()     # x_cpu: [n, hidden or latent]
 
         def work():
             t0 = time.perf_counter()
             y = torch.empty_like(x_cpu)
-            j = 0
-            for e, (a, b) in zip(host, spans):
-                t = self._host_codec.weights(fetch.tensors(e))          # views of the host slot
-                self.ffn(t, x_cpu[j:j + b - a], y[j:j + b - a])
-                j += b - a
+            row0 = np.cumsum([0] + [b - a for a, b in spans[:-1]]).tolist()
+            self.grouped(self._host_codec, [fetch.tensors(e) for e in host], row0, [b - a for a, b in spans],
+                         x_cpu, y)                                    # views of the host slots
             store.record_host_compute(time.perf_counter() - t0)
             return y
         fut = self._host_pool.submit(work)
@@ -120,6 +126,8 @@ class ExpertExecutor:
         """Experts of MoE layer ``m`` on their sorted rows xs [T*k, hidden or latent] -> ys. Resident
         experts first while misses stream in; in waves when they do not all fit."""
         codec = self.codec
+        if self.kernel is not None and xs.device.type == "cpu" and not self.host_worker_on_cpu:
+            return self.run_host(fetch, xs, off)
         ys = torch.empty_like(xs)             # outputs in the model's dtype
         if xs.dtype != codec.compute_dtype:   # e.g. bf16 model, float32 expert matmuls on a CPU
             xs = xs.to(codec.compute_dtype)
@@ -142,6 +150,71 @@ class ExpertExecutor:
         return ys
 
 
+    def grouped(self, codec, views: list, row0: list, rows: list, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        """Experts on the CPU: views[j] (blob views) on xs[row0[j] : row0[j] + rows[j]] -> ys (float32,
+        contiguous). One kernel call for every expert of decode size; an expert with more rows
+        (prefill) through the reference path, whose BLAS matmul wins there."""
+        most = self.kernel.max_rows
+        small = [j for j, n in enumerate(rows) if 0 < n <= most]
+        if small:
+            self.kernel.run([views[j] for j in small], [row0[j] for j in small], [rows[j] for j in small], xs, ys)
+        for j, n in enumerate(rows):
+            if n > most:
+                a = row0[j]
+                self.ffn(codec.weights(views[j]), xs[a:a + n].to(codec.compute_dtype), ys[a:a + n])
+
+    def run_fused(self, fetch, xin: torch.Tensor, d: "Dispatch", wts: torch.Tensor) -> "torch.Tensor | None":
+        """Decode on a CPU: the layer's whole routed part - gather of the token rows, every expert,
+        the weighted sum per token - in one kernel call. xin: [T, hidden or latent] float32; wts:
+        [T, k]. Returns [T, hidden or latent], or None where the general path must run (waves,
+        experts still streaming in, an expert with more rows than the kernel takes, another dtype)."""
+        k = self.kernel
+        if (k is None or xin.device.type != "cpu" or xin.dtype != torch.float32 or self.host_worker_on_cpu
+                or fetch.plan is not None or fetch.pending or max(d.counts, default=0) > k.max_rows):
+            return None
+        T = wts.shape[0]
+        xs = torch.empty(len(d.tok), xin.shape[1])                      # xs: gathered rows [T*k, in] (scratch)
+        ys = torch.empty(len(d.tok), k.args.H_out)
+        out = torch.empty(T, k.args.H_out)
+        t0 = time.perf_counter()
+        k.run([fetch.tensors(e) for e in d.used], [d.off[e] for e in d.used], d.counts, xs, ys,
+              gather=(xin.contiguous(), d.tok), combine=(d.back, wts.float().contiguous(), out))
+        if fetch.host:   # the call's time, by the host experts' share of its rows
+            host_rows = sum(n for e, n in zip(d.used, d.counts) if e in fetch.host)
+            fetch.store.record_host_compute((time.perf_counter() - t0) * host_rows / max(1, len(d.tok)))
+        return out
+
+    def run_host(self, fetch, xs: torch.Tensor, off: list) -> torch.Tensor:
+        """``run`` on a CPU: per wave, the experts already in place in one grouped call, then those
+        still streaming in (a stand-in device slab) in a second."""
+        x32 = xs.float().contiguous()                 # x32: [T*k, hidden or latent]
+        ys = torch.empty_like(x32)
+        for wave in fetch.waves():
+            for group in ([e for e in wave if e not in fetch.pending], [e for e in wave if e in fetch.pending]):
+                if not group:
+                    continue
+                t0 = time.perf_counter()
+                rows = [off[e + 1] - off[e] for e in group]
+                self.grouped(self.codec, [fetch.tensors(e) for e in group], [off[e] for e in group], rows, x32, ys)
+                host_rows = sum(n for e, n in zip(group, rows) if e in fetch.host)
+                if host_rows:   # the call's time, by the host experts' share of its rows
+                    fetch.store.record_host_compute((time.perf_counter() - t0) * host_rows / max(1, sum(rows)))
+        return ys if xs.dtype == torch.float32 else ys.to(xs.dtype)
+
+
+def host_kernel(cfg: MoEConfig, weights: list, act_quant: str = "none"):
+    """(HostMoE or None, why not): the grouped CPU kernel for this expert layout."""
+    if kernels.lib() is None:
+        return None, kernels.unavailable()
+    why = unsupported(weights, cfg.expert_in, cfg.expert_intermediate)
+    if why is not None:
+        return None, why
+    act = "swiglu_clamp" if cfg.expert_act == "swiglu_clamp" else "swiglu"
+    H_out = next(w.shape[0] for w in weights if w.name == "down")
+    return HostMoE(weights, cfg.expert_in, cfg.expert_intermediate, H_out, act, cfg.swiglu_limit, cfg.swiglu_alpha,
+                   act_quant), None
+
+
 _NO_HOOKS = ForwardContext(seqs=[], spans=[], decode=False, kv=None)
 
 
@@ -154,14 +227,16 @@ class MoEBlock:
         self.store, self.executor = store, executor
         rn = router_name(cfg, i)
         self.router_fn = ROUTERS[cfg.router]                             # chosen once, here
-        self.router_w = take(w, rn)
-        self.router_b = take_opt(w, rn[:-len("weight")] + "bias")        # gpt-oss's router bias
+        rw = take_raw(w, rn)
+        dt = compute_dtype(w, rw)
+        self.router = Linear(rw, take_opt(w, rn[:-len("weight")] + "bias"), dt)   # gpt-oss: a bias
         self.correction = take_opt(w, correction_bias_name(cfg, i))      # sigmoid routers' selection bias
         p = layer_prefix(i) + cfg.mlp_prefix
         self.latent_down = take(w, p + "latent_down.weight") if cfg.latent_dim else None
         self.latent_up = take(w, p + "latent_up.weight") if cfg.latent_dim else None
         self.shared = DenseMLP(w, layer_prefix(i) + cfg.shared_prefix) if cfg.shared_intermediate else None
-        self.shared_gate = take(w, layer_prefix(i) + "mlp.shared_expert_gate.weight") if cfg.shared_expert_gate else None
+        self.shared_gate = Linear(take_raw(w, layer_prefix(i) + "mlp.shared_expert_gate.weight"), None, dt) \
+            if cfg.shared_expert_gate else None
 
     @staticmethod
     def tensors(cfg: MoEConfig, i: int) -> dict:
@@ -186,7 +261,7 @@ class MoEBlock:
     # -- stages ----------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, bonus: "torch.Tensor | None" = None):
         """x: [tokens, hidden] -> (ids [tokens, k], weights [tokens, k] float32)."""
-        logits = F.linear(x, self.router_w, self.router_b)               # logits: [tokens, E]
+        logits = self.router(x)                                          # logits: [tokens, E]
         return route(logits, self.cfg, self.correction, bonus, self.router_fn)
 
     def route_preview(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,16 +282,20 @@ class MoEBlock:
 
     def combine(self, ys: torch.Tensor, d: Dispatch, wts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Back to (token, slot) order, then each token's k expert outputs summed by weight
-        (cheaper than index_add_ on CPU); the latent projection back and shared experts."""
+        (cheaper than index_add_ on CPU); then ``finish``."""
         T, k = wts.shape
         y = ys[d.back].view(T, k, -1)                                    # y: [T, k, hidden or latent]
-        out = (y * wts[:, :, None]).sum(1)
+        return self.finish((y * wts[:, :, None]).sum(1), x)
+
+    def finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The routed sum ``out`` [T, hidden or latent] -> the block's output: the latent projection
+        back and the shared experts."""
         if self.latent_up is not None:
             out = F.linear(out, self.latent_up)
         if self.shared is not None:
             sh = self.shared(x)
             if self.shared_gate is not None:
-                sh = sh * torch.sigmoid(F.linear(x, self.shared_gate))
+                sh = sh * torch.sigmoid(self.shared_gate(x))
             out = out + sh
         return out
 
@@ -231,8 +310,12 @@ class MoEBlock:
         d = dispatch(ids, self.cfg.num_experts, x.device)
         fetch = self.store.request(m, d.used, ctx.step, d.counts)       # tokens per expert: hybrid decisions weigh them
         xin = x if self.latent_down is None else F.linear(x, self.latent_down)   # xin: [tokens, hidden or latent]
-        ys = self.executor.run(m, fetch, xin[d.tok], d.off)             # rows: [T*k, hidden or latent]
-        out = self.combine(ys, d, wts, x)
+        out = self.executor.run_fused(fetch, xin, d, wts)
+        if out is not None:
+            out = self.finish(out.to(x.dtype), x)
+        else:
+            ys = self.executor.run(m, fetch, xin[d.tok], d.off)         # rows: [T*k, hidden or latent]
+            out = self.combine(ys, d, wts, x)
         if ctx.after_moe is not None:
             ctx.after_moe(m, d.used, x)
         return out

@@ -1,0 +1,469 @@
+"""Decode tokens/s of tiered-moe against llama.cpp, same checkpoint, same CPU, one run.
+
+Measures decode speed (tokens/s after the prompt) of both runtimes on one Qwen3-MoE checkpoint built
+here with transformers (seed 0, non-norm parameters x4, saved in bf16) in two shapes - `mid`
+(bench/decode_speed.py's MID) and `wide` (WIDE below: K3-like expert width, routed experts ~93% of
+the weights) - in three paired weight formats: BF16 GGUF vs our bf16 store, Q4_0 vs our int4 store,
+MXFP4_MOE vs our mxfp4 store; each at batch 1 and 8, 1 and 2 threads.
+
+How:
+- llama.cpp: vendor/llama.cpp of the llama-cpp-python sdist, built CPU-only (cached: --llama-dir or
+  ~/.cache/tiered-moe/llama.cpp). The checkpoint goes through its convert_hf_to_gguf.py (--outtype
+  bf16), then llama-quantize to Q4_0 and MXFP4_MOE. The converter needs a HF tokenizer: a byte-level
+  BPE of exactly vocab_size tokens is trained with `tokenizers` on a seeded synthetic corpus and saved
+  as tokenizer.json + tokenizer_config.json (Qwen2Tokenizer). Its pre-tokenizer hash is not in the
+  converter's table, so the converter runs through a shim that names it "qwen2" (tokenization is not
+  timed: both sides decode token ids). Batch 1: `llama-bench -p 0 -n 32 -r 1 -o json` (avg_ts, decode
+  only); batch 8: `llama-batched-bench -npp 8 -ntg 32 -npl 8 --output-format jsonl` (speed_tg).
+- ours: each configuration in a fresh process with torch.set_num_threads(T), every expert resident
+  (LRU, no prefetch), 8-token prompts (prefill_chunk 8), 32 new tokens; the engine is stepped by hand:
+  decode tokens/s = tokens produced after the step where every request had its first token / the
+  time since that step (prefill timed apart). A warm-up run, then the best of two.
+- Interleaved: each rep runs every configuration, llama.cpp and ours alternating which goes first;
+  the best of --reps kept per side.
+- Memory bandwidth: STREAM-like copy (read + write bytes) and read-only sum of a 512 MB float32
+  array, 1 and 2 threads, best of 5; routed expert bytes per token (layers x top_k x one expert)
+  times batch-1 decode tokens/s against it, for both sides.
+
+Needs no pip package beyond the project's venv (the converter's qwen3moe path uses gguf-py from the
+llama.cpp tree, numpy, tqdm, pyyaml, torch, transformers, tokenizers); outside it: cmake, a C/C++
+compiler, network for the sdist (once). Delete --workdir after changing a shape (cached by name).
+
+Usage: python bench/vs_llama_cpp.py [--workdir DIR] [--llama-dir DIR] [--reps 3] [--shapes mid,wide]
+       [--formats bf16,int4,mxfp4] [--out bench/results/vs_llama_cpp.md]
+"""
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+import decode_speed  # noqa: E402  (bench/decode_speed.py: MID, prompts, NEW, PROMPT)
+from runtime.model.convert import convert  # noqa: E402
+from runtime.store import Manifest  # noqa: E402
+
+NEW, PROMPT = decode_speed.NEW, decode_speed.PROMPT
+SDIST = "0.3.36"
+TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
+CMAKE_FLAGS = ["-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+# K3-like expert width on the MID architecture: hidden 2048, experts 1024 wide (~1.7 GB in bf16).
+WIDE = dict(decode_speed.MID, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
+            num_key_value_heads=4, head_dim=128, moe_intermediate_size=1024)
+SHAPES = {"mid": decode_speed.MID, "wide": WIDE}
+# ours -> (llama.cpp type, our --quantize, llama.cpp bits per routed weight)
+FORMATS = {"bf16": ("BF16", None, 16.0), "int4": ("Q4_0", "int4", 4.5), "mxfp4": ("MXFP4_MOE", "mxfp4", 4.25)}
+BATCHES, THREADS = (1, 8), (1, 2)
+Q8_FORMATS = ("int4", "mxfp4")
+
+
+def ours_best(r: dict) -> float:
+    """Our best setting of a configuration: exact, or q8 activations where measured."""
+    return max(r["ours"], r.get("ours_q8", 0.0))
+# Run convert_hf_to_gguf.py with an unknown BPE pre-tokenizer named "qwen2" instead of refused.
+CONVERT_SHIM = r"""
+import runpy, sys
+tree = sys.argv[1]
+sys.path[:0] = [tree, tree + "/gguf-py"]
+from conversion.base import TextModel
+orig = TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return orig(self, tokenizer)
+    except NotImplementedError:
+        print("vs_llama_cpp: unrecognized BPE pre-tokenizer hash -> 'qwen2'", flush=True)
+        return "qwen2"
+TextModel.get_vocab_base_pre = pre
+sys.argv = [tree + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(cmd: list, env=None, quiet=True) -> str:
+    """Run a command, raise with its output tail on failure; returns stdout."""
+    p = subprocess.run(cmd, capture_output=quiet, text=True, env=env)
+    if p.returncode:
+        tail = ((p.stdout or "") + (p.stderr or ""))[-3000:]
+        raise RuntimeError(f"failed ({p.returncode}): {shlex.join(cmd)}\n{tail}")
+    return p.stdout or ""
+
+
+# -- llama.cpp -----------------------------------------------------------------------------------
+def llama_tree(llama_dir: "str | None", cache: str) -> tuple:
+    """(source tree, bin dir): the sdist downloaded and extracted into ``cache`` unless ``llama_dir``
+    is given; the three targets built unless present."""
+    if llama_dir:
+        tree = os.path.abspath(llama_dir)
+    else:
+        tree = os.path.join(cache, f"llama_cpp_python-{SDIST}", "vendor", "llama.cpp")
+        if not os.path.isfile(os.path.join(tree, "CMakeLists.txt")):
+            os.makedirs(cache, exist_ok=True)
+            sdist = os.path.join(cache, f"llama_cpp_python-{SDIST}.tar.gz")
+            if not os.path.exists(sdist):
+                log(f"downloading the llama-cpp-python {SDIST} sdist into {cache}")
+                sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={SDIST}", "-d", cache], quiet=False)
+            log("extracting the sdist")
+            with tarfile.open(sdist) as tf:
+                tf.extractall(cache, filter="data")
+    build = os.path.join(tree, "build")
+    bindir = os.path.join(build, "bin")
+    missing = [t for t in TARGETS if not os.path.exists(os.path.join(bindir, t))]
+    if missing:
+        if not os.path.exists(os.path.join(build, "CMakeCache.txt")):
+            log(f"configuring llama.cpp in {build}")
+            sh(["cmake", "-S", tree, "-B", build] + CMAKE_FLAGS, quiet=False)
+        log(f"building {', '.join(missing)} (-j2; takes a while on 2 cores)")
+        sh(["cmake", "--build", build, "-j2", "--target", *missing], quiet=False)
+    return tree, bindir
+
+
+def ggufs(tree: str, bindir: str, hf: str, work: str, shape: str, formats: list) -> dict:
+    """fmt -> GGUF path: bf16 from the converter, the others quantized from it (cached)."""
+    bf16 = os.path.join(work, f"{shape}-BF16.gguf")
+    if not os.path.exists(bf16):
+        log(f"{shape}: convert_hf_to_gguf.py --outtype bf16 -> {bf16}")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.path.join(tree, "gguf-py")])}
+        sh([sys.executable, "-c", CONVERT_SHIM, tree, hf, "--outtype", "bf16", "--outfile", bf16 + ".part"], env=env)
+        os.replace(bf16 + ".part", bf16)
+    out = {}
+    for f in formats:
+        kind = FORMATS[f][0]
+        path = os.path.join(work, f"{shape}-{kind}.gguf")
+        if not os.path.exists(path):
+            log(f"{shape}: llama-quantize {kind} -> {path}")
+            sh([os.path.join(bindir, "llama-quantize"), bf16, path + ".part", kind, "2"])
+            os.replace(path + ".part", path)
+        out[f] = path
+    return out
+
+
+def llama_rate(bindir: str, gguf: str, batch: int, threads: int) -> tuple:
+    """Decode tokens/s of one llama.cpp run: (rate, build string)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if batch == 1:
+        rows = json.loads(sh([os.path.join(bindir, "llama-bench"), "-m", gguf, "-p", "0", "-n", str(NEW),
+                              "-t", str(threads), "-r", "1", "-o", "json"], env=env))
+        row = next(r for r in rows if r["n_gen"] == NEW)
+        return float(row["avg_ts"]), f"{row.get('build_commit', '?')} (build {row.get('build_number', '?')})"
+    text = sh([os.path.join(bindir, "llama-batched-bench"), "-m", gguf, "-c", "2048", "-b", "2048", "-ub", "512",
+               "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(batch), "-t", str(threads),
+               "--output-format", "jsonl"], env=env)
+    rows = [json.loads(x) for x in text.splitlines() if x.startswith("{") and '"speed_tg"' in x]
+    return float(rows[-1]["speed_tg"]), None
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def build_tokenizer(hf: str, vocab: int) -> None:
+    """A byte-level BPE of exactly ``vocab`` tokens (all 256 bytes, so any text encodes) trained on a
+    seeded synthetic corpus, saved as a Qwen2Tokenizer the GGUF converter reads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    rng = random.Random(0)
+    syl = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"] + list("aeiou")
+    words = ["".join(rng.choice(syl) for _ in range(rng.randint(1, 4))) for _ in range(20000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) + rng.choice([".", ",", "!", "?", "\n", " 123", " 42."])
+              for _ in range(20000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"trained tokenizer has {tok.get_vocab_size()} tokens, want {vocab}")
+    tok.save(os.path.join(hf, "tokenizer.json"))
+    cfg = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 32768, "bos_token": None,
+           "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": None,
+           "add_bos_token": False, "add_prefix_space": False, "errors": "replace",
+           "clean_up_tokenization_spaces": False}
+    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+def build_hf(cfg: dict, hf: str) -> None:
+    """decode_speed.build_mid's recipe for any shape, plus the tokenizer (cached by config.json)."""
+    if os.path.exists(os.path.join(hf, "tokenizer_config.json")):
+        return
+    import transformers
+    log(f"building the Qwen3-MoE checkpoint {hf}")
+    torch.manual_seed(0)
+    m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg)).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" not in n:
+                p.mul_(4.0)
+    m.to(torch.bfloat16).save_pretrained(hf)
+    del m
+    build_tokenizer(hf, cfg["vocab_size"])
+
+
+def stores(hf: str, work: str, shape: str, formats: list) -> dict:
+    out = {}
+    for f in formats:
+        store = os.path.join(work, f"{shape}-store-{f}")
+        if not Manifest.current(store):
+            log(f"{shape}: tiered-moe convert {f} -> {store}")
+            convert(hf, store, quantize=FORMATS[f][1])
+        out[f] = store
+    return out
+
+
+# -- ours ------------------------------------------------------------------------------------------
+def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none") -> dict:
+    """In a fresh process: every expert resident, a warm-up run, then the best decode rate of two."""
+    import inspect
+    from runtime.engine import Engine, SamplingParams
+    from runtime.model import load_model
+    torch.set_num_threads(threads)
+    m = Manifest.read(store)
+    kw = {"max_batch": batch} if "max_batch" in inspect.signature(load_model).parameters else {}
+    model, st = load_model(store, expert_budget=m.num_layers * m.num_experts * m.blob_stride, policy="lru",
+                           host_act_quant=act_quant, **kw)
+    best = {"rate": 0.0}
+    try:
+        for rep, seed in enumerate((1000 + batch, batch, 2000 + batch)):
+            eng = Engine(model, st, max_batch=batch, prefill_chunk=PROMPT, prefetch="none")
+            for p in decode_speed.prompts(batch, model.cfg.vocab_size, seed).tolist():
+                eng.add_request(p, SamplingParams(max_tokens=NEW, ignore_eos=True))
+            started, n, t1 = set(), 0, None
+            t0 = time.perf_counter()
+            while eng.has_work():
+                toks = [o for o in eng.step() if o.token is not None]
+                if t1 is None:
+                    started.update(o.request_id for o in toks)
+                    if len(started) == batch:
+                        t1 = time.perf_counter()
+                else:
+                    n += len(toks)
+            rate = n / (time.perf_counter() - t1)
+            if rep and rate > best["rate"]:
+                best = {"rate": rate, "prefill_s": t1 - t0, "decode_tokens": n}
+    finally:
+        st.close()
+    return best
+
+
+def ours_rate(store: str, batch: int, threads: int, act_quant: str = "none") -> float:
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": str(threads)}
+    out = sh([sys.executable, os.path.abspath(__file__), "--worker", store, str(batch), str(threads), act_quant],
+             env=env)
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[-1][len("RESULT "):])["rate"]
+
+
+# -- bandwidth -------------------------------------------------------------------------------------
+def bandwidth() -> dict:
+    """GB/s of a 512 MB float32 array: copy (read + write bytes) and read-only sum, best of 5."""
+    import numpy as np
+    a = np.ones(512 * 2**20 // 4, np.float32)
+    b = np.empty_like(a)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+
+    def best(fn):
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+    res = {"copy numpy 1 thr": 2 * a.nbytes / best(lambda: np.copyto(b, a)) / 1e9,
+           "read numpy 1 thr": a.nbytes / best(lambda: np.add.reduce(a)) / 1e9}
+    old = torch.get_num_threads()
+    for t in THREADS:
+        torch.set_num_threads(t)
+        res[f"copy torch {t} thr"] = 2 * a.nbytes / best(lambda: tb.copy_(ta)) / 1e9
+        res[f"read torch {t} thr"] = a.nbytes / best(lambda: ta.sum()) / 1e9
+    torch.set_num_threads(old)
+    return res
+
+
+# -- the run and the report ------------------------------------------------------------------------
+def run_pairs(bindir: str, items: list, reps: int) -> dict:
+    """items: (shape, fmt, gguf, store). Interleaved reps: {(shape, fmt, b, t): best and every run per side}."""
+    best, idx, build = {}, 0, None
+    for rep in range(reps):
+        for shape, fmt, gguf, store in items:
+            for b in BATCHES:
+                for t in THREADS:
+                    key = (shape, fmt, b, t)
+                    # 4-bit stores run twice on our side: float32 activations (the default, exact) and
+                    # --host-act-quant q8 (8-bit activations, as llama.cpp computes Q4_0 / MXFP4)
+                    sides = ("ours", "ours_q8") if fmt in Q8_FORMATS else ("ours",)
+                    cur = best.setdefault(key, {"llama": 0.0, "llama_runs": [], **{x: 0.0 for x in sides},
+                                                **{x + "_runs": [] for x in sides}})
+                    order = ("llama",) + sides if (rep + idx) % 2 == 0 else sides + ("llama",)
+                    for side in order:
+                        if side == "llama":
+                            r, bs = llama_rate(bindir, gguf, b, t)
+                            build = bs or build
+                        else:
+                            r = ours_rate(store, b, t, "q8" if side == "ours_q8" else "none")
+                        cur[side] = max(cur[side], r)
+                        cur[side + "_runs"].append(r)
+                        log(f"rep {rep} {shape} {fmt} batch {b} threads {t} {side}: {r:.1f} tok/s")
+                    idx += 1
+    return {"best": best, "build": build}
+
+
+def machine() -> str:
+    info = {}
+    for line in sh(["lscpu"]).splitlines():
+        k, _, v = line.partition(":")
+        info[k.strip()] = v.strip()
+    caches = ", ".join(f"{k} {info[k]}" for k in ("L1d cache", "L2 cache", "L3 cache") if k in info)
+    return (f"{info.get('Model name', platform.processor())}, {os.cpu_count()} cores ({platform.machine()}), "
+            f"{caches}; torch {torch.__version__}")
+
+
+def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> list:
+    L = ["# Decode speed: tiered-moe vs llama.cpp, same checkpoint, same CPU\n\n",
+         f"Command: `{meta['command']}`\n\n", f"Machine: {meta['machine']}. 1-minute load average at start / end "
+         f"(other jobs may share the machine): {meta['load'][0]:.1f} / {meta['load'][1]:.1f}.\n\n",
+         f"llama.cpp: vendor/llama.cpp of the llama-cpp-python {SDIST} sdist, build {meta['build']}, CPU only "
+         f"(`{' '.join(CMAKE_FLAGS)}`).\n\n",
+         f"Decode only: {PROMPT}-token prompts, {NEW} new tokens per sequence; llama.cpp batch 1 "
+         f"`llama-bench -p 0 -n {NEW}`, batch 8 `llama-batched-bench -npp {PROMPT} -ntg {NEW} -npl 8` (S_TG); ours "
+         f"every expert resident, tokens after every sequence's first token / the time since. Best of {a.reps} "
+         f"interleaved reps per side (every run is in the .json). Pairs: "
+         + "; ".join(f"{FORMATS[f][0]} vs our {f} store" for f in formats) + ".\n\n"]
+    for s in shapes:
+        c = SHAPES[s]
+        L += [f"## {s}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers x {c['num_experts']} experts top-"
+              f"{c['num_experts_per_tok']}, expert width {c['moe_intermediate_size']}, {c['num_attention_heads']}/"
+              f"{c['num_key_value_heads']} heads of {c['head_dim']}, vocab {c['vocab_size']}\n\n",
+              "| weights | batch | threads | llama.cpp tok/s | tiered-moe tok/s | tiered-moe q8 tok/s "
+              "| best tiered-moe / llama.cpp |\n", "|---|---|---|---|---|---|---|\n"]
+        for f in formats:
+            for b in BATCHES:
+                for t in THREADS:
+                    r = best[(s, f, b, t)]
+                    q8 = f"{r['ours_q8']:.1f}" if "ours_q8" in r else "-"
+                    L.append(f"| {FORMATS[f][0]} / {f} | {b} | {t} | {r['llama']:.1f} | {r['ours']:.1f} | {q8} | "
+                             f"{ours_best(r) / r['llama']:.2f} |\n")
+        L.append("\nScaling (tiered-moe; llama.cpp in brackets):\n\n")
+        for f in formats:
+            for b in BATCHES:
+                g = lambda side, t, f=f: (ours_best(best[(s, f, b, t)]) if side == "ours"  # noqa: E731
+                                          else best[(s, f, b, t)][side])
+                line = f"- {f} batch {b}: 2 threads / 1 thread {g('ours', 2) / g('ours', 1):.2f} " \
+                       f"({g('llama', 2) / g('llama', 1):.2f})"
+                if f != "bf16" and "bf16" in formats:
+                    h = lambda side: max(g(side, t) for t in THREADS) / \
+                        max(g(side, t, "bf16") for t in THREADS)  # noqa: E731
+                    line += f"; {f} / bf16 at the best threads {h('ours'):.2f} ({h('llama'):.2f})"
+                L.append(line + "\n")
+        L.append("\n")
+    return L + bandwidth_section(best, bw, meta, shapes, formats)
+
+
+def bandwidth_section(best, bw, meta, shapes, formats) -> list:
+    read = max(v for k, v in bw.items() if k.startswith("read"))
+    L = ["## Memory bandwidth\n\n", "512 MB float32 array, best of 5 (copy counts read + write bytes): "
+         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items())
+         + f". Reference below: the best read, {read:.1f} GB/s.\n\n",
+         "Routed expert bytes a batch-1 token reads (layers x top_k x one expert) x decode tok/s at the best thread "
+         "count. Ours: bytes of one expert's blob as stored (more where the runtime computes from widened or "
+         "dequantized copies); llama.cpp: routed parameters x bits per weight (BF16 16, Q4_0 4.5, MXFP4 "
+         "4.25).\n\n",
+         "| shape | weights | ours MB/token | ours tok/s | ours GB/s | of read BW | llama.cpp MB/token "
+         "| llama.cpp tok/s | llama.cpp GB/s | of read BW |\n", "|---|---|---|---|---|---|---|---|---|---|\n"]
+    for s in shapes:
+        c = SHAPES[s]
+        for f in formats:
+            per_tok = c["num_hidden_layers"] * c["num_experts_per_tok"]     # routed experts one token reads
+            ob = per_tok * meta["blob_bytes"][f"{s}/{f}"]
+            lb = per_tok * 3 * c["hidden_size"] * c["moe_intermediate_size"] * FORMATS[f][2] / 8
+            o = max(ours_best(best[(s, f, 1, t)]) for t in THREADS)
+            ll = max(best[(s, f, 1, t)]["llama"] for t in THREADS)
+            L.append(f"| {s} | {FORMATS[f][0]} / {f} | {ob / 1e6:.2f} | {o:.1f} | {ob * o / 1e9:.2f} | "
+                     f"{ob * o / 1e9 / read:.0%} | {lb / 1e6:.2f} | {ll:.1f} | {lb * ll / 1e9:.2f} | "
+                     f"{lb * ll / 1e9 / read:.0%} |\n")
+    return L
+
+
+def plot(best: dict, shapes: list, formats: list, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, s in zip(axes[0], shapes):
+        keys = [(f, b, t) for f in formats for b in BATCHES for t in THREADS]
+        ratios = [ours_best(best[(s, f, b, t)]) / best[(s, f, b, t)]["llama"] for f, b, t in keys]
+        ax.bar(range(len(keys)), ratios, color=[f"C{formats.index(f)}" for f, _, _ in keys])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(keys)), [f"{f}\nb{b} t{t}" for f, b, t in keys], fontsize=7)
+        ax.set_title(f"{s}: tiered-moe (best setting) / llama.cpp decode tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        store, batch, threads = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        aq = sys.argv[5] if len(sys.argv) > 5 else "none"
+        print("RESULT " + json.dumps(ours_worker(store, batch, threads, aq)), flush=True)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tiered-moe-bench-vs-llama"))
+    ap.add_argument("--llama-dir", default=None, help="an llama.cpp source tree (its build/ is used or built)")
+    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/tiered-moe/llama.cpp"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--shapes", default="mid,wide")
+    ap.add_argument("--formats", default="bf16,int4,mxfp4")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_llama_cpp.md"))
+    a = ap.parse_args()
+    shapes, formats = a.shapes.split(","), a.formats.split(",")
+    bad = [x for x in shapes if x not in SHAPES] + [x for x in formats if x not in FORMATS]
+    if bad:
+        ap.error(f"unknown shape/format {bad}; shapes {list(SHAPES)}, formats {list(FORMATS)}")
+    meta = {"command": "python bench/vs_llama_cpp.py" + "".join(" " + shlex.quote(x) for x in sys.argv[1:]),
+            "machine": machine(), "load": [os.getloadavg()[0]], "blob_bytes": {}}
+    tree, bindir = llama_tree(a.llama_dir, a.cache)
+    items = []
+    for s in shapes:
+        hf = os.path.join(a.workdir, f"{s}-hf")
+        build_hf(SHAPES[s], hf)
+        gg, st = ggufs(tree, bindir, hf, a.workdir, s, formats), stores(hf, a.workdir, s, formats)
+        for f in formats:
+            meta["blob_bytes"][f"{s}/{f}"] = Manifest.read(st[f]).blob_bytes
+            items.append((s, f, gg[f], st[f]))
+    log("memory bandwidth")
+    bw = bandwidth()
+    res = run_pairs(bindir, items, a.reps)
+    best = res["best"]
+    meta["build"], meta["load"] = res["build"] or "?", meta["load"] + [os.getloadavg()[0]]
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write("".join(report(a, best, bw, meta, shapes, formats)))
+    stem = os.path.splitext(a.out)[0]
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "bandwidth_gbps": bw, "shapes": {s: SHAPES[s] for s in shapes},
+                   "rows": [{"shape": s, "format": f, "llama_type": FORMATS[f][0], "batch": b, "threads": t, **v}
+                            for (s, f, b, t), v in best.items()]}, f, indent=1)
+    plot(best, shapes, formats, stem + ".png")
+    log(f"wrote {a.out}, {stem}.json, {stem}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Host (CPU) kernels: ``moe_cpu.c``, compiled on first use with the machine's C compiler and kept in
+a cache folder keyed by the source, the compiler flags and the CPU's features (as torch's and
+triton's JIT extensions are), loaded with ctypes.
+
+Why our own C rather than a library (bench/host_kernels.py measures the candidates): torch's CPU
+kernels take float32 or bf16 matrices one matmul at a time (bf16 ~20x slower than float32 on CPUs
+without AVX512-BF16, and int4 only in its own repacked layout, without MXFP4 or FP8), torchao's
+CPU MoE kernels need AVX512 / AMX, kt-kernel pins an older torch, and ggml-python builds one
+graph per call. What the runtime needs is one call per MoE layer over the experts' stored bytes,
+as they sit in the tier slabs, with the codes decoded in registers: a few hundred lines of C.
+
+``TIERED_MOE_HOST_KERNELS=0`` turns the kernels off (the dequantize-then-matmul reference path
+runs instead); without a compiler, or on a CPU without AVX2 + FMA + F16C, they are off and
+``unavailable()`` says why."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_cpu.c")
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+NEEDS = ("avx2", "fma", "f16c")
+
+# Formats and scale dtypes as the C enums number them.
+FMT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "mxfp4": 3, "int4": 4, "fp8_e4m3": 5}
+SCALE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+
+class MoEArgs(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int32), ("sfmt", ctypes.c_int32), ("group", ctypes.c_int32),
+                ("bo", ctypes.c_int32), ("bi", ctypes.c_int32), ("bias_fmt", ctypes.c_int32),
+                ("act", ctypes.c_int32), ("limit", ctypes.c_float), ("alpha", ctypes.c_float),
+                ("H_in", ctypes.c_int32), ("I", ctypes.c_int32), ("H_out", ctypes.c_int32),
+                ("n_exp", ctypes.c_int32), ("nthreads", ctypes.c_int32),
+                ("row0", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("ptrs", ctypes.c_void_p),
+                ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("h", ctypes.c_void_p),
+                ("q8", ctypes.c_int32), ("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p),
+                ("tok", ctypes.c_void_p), ("xin", ctypes.c_void_p), ("back", ctypes.c_void_p),
+                ("wts", ctypes.c_void_p), ("out", ctypes.c_void_p), ("T", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> str:
+    d = os.environ.get("TIERED_MOE_KERNEL_CACHE")
+    if d:
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tiered-moe", "kernels")
+
+
+def _build(cc: str, flags: set) -> str:
+    """Compile moe_cpu.c unless a build of this source, these flags and this CPU is cached; the path."""
+    with open(SRC, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + " ".join([cc] + FLAGS + sorted(flags & set(NEEDS))).encode()).hexdigest()[:16]
+    out_dir = cache_dir()
+    path = os.path.join(out_dir, f"moe_cpu-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        p = subprocess.run([cc, *FLAGS, SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(f"{cc} failed on {SRC}:\n{p.stderr[-2000:]}")
+        os.replace(tmp, path)       # atomic: a concurrent build leaves one complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _load():
+    if os.environ.get("TIERED_MOE_HOST_KERNELS", "1") == "0":
+        return None, "turned off by TIERED_MOE_HOST_KERNELS=0"
+    if sys.platform != "linux":
+        return None, f"built on Linux only (this is {sys.platform})"
+    flags = _cpu_flags()
+    missing = [f for f in NEEDS if f not in flags]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        return None, "no C compiler (gcc or cc) on PATH"
+    importlib.import_module("torch")   # its libgomp first: the kernels then share torch's OpenMP threads
+    try:
+        lib = ctypes.CDLL(_build(cc, flags))
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    lib.tm_moe.argtypes = [ctypes.POINTER(MoEArgs)]
+    lib.tm_moe.restype = ctypes.c_int
+    lib.tm_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int32]
+    lib.tm_linear_bf16.restype = ctypes.c_int
+    lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                ctypes.c_float, ctypes.c_void_p]
+    lib.tm_rms_norm.restype = ctypes.c_int
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    lib.tm_gqa_decode.argtypes = [P, I64, P, I64, P, P, I64, P, P, P, P, I64, P, I64, I64, I64, I64, ctypes.c_float,
+                                  P, P, ctypes.c_int32]
+    lib.tm_gqa_decode.restype = ctypes.c_int
+    return lib, None
+
+
+def lib():
+    """The loaded kernel library, or None (then ``unavailable()`` says why)."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _load()
+    return _state["lib"]
+
+
+def unavailable() -> "str | None":
+    lib()
+    return _state["why"]
+
+
+def set_threads(n: int) -> None:
+    """Threads the kernels use: the model's forward sets torch's configured count (it runs small
+    torch ops on fewer; the kernels split even one token's experts)."""
+    _state["threads"] = max(1, int(n))
+
+
+def threads() -> int:
+    return _state.get("threads", 1)
+
+
+def reset() -> None:
+    """Forget the loaded state (tests: after changing TIERED_MOE_HOST_KERNELS)."""
+    with _lock:
+        _state.clear()

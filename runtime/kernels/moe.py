@@ -1,0 +1,136 @@
+"""``HostMoE``: one grouped call of the C kernel (moe_cpu.c ``tm_moe``) for a layer's experts, reading
+their blobs where they lie (the device slab of a CPU-only machine, or host-tier slots)."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from . import FMT_CODES, SCALE_CODES, MoEArgs, lib, threads as kernel_threads
+
+# Per format: the blob tensors (suffixes) holding each part's codes and scales.
+_CODES = {"mxfp4": ("blocks", "scales"), "int4": ("packed", "scale"), "fp8_e4m3": ("weight", "scale_inv")}
+# Tokens per expert above which the reference path (dequantize or widen into scratch, then one BLAS
+# matmul) beats the kernel's GEMV (prefill; bench/host_kernels.py's second table): about 16-32 for
+# bf16 experts, past 64 for quantized ones, whose reference pays a dequantization per call.
+MAX_ROWS = {"dense": 16, "quantized": 96}
+ACT_QUANT = ("none", "q8")
+
+
+def unsupported(weights: list, H_in: int, I: int) -> "str | None":
+    """Why the kernel cannot compute experts of these blob weights (None: it can)."""
+    by = {w.name: w for w in weights}
+    mats = [by[n] for n in ("gate_up", "gate", "up", "down") if n in by]
+    fmts = {(w.format, tuple(sorted((k, str(v)) for k, v in w.params.items()))) for w in mats}
+    if len(fmts) != 1:
+        return f"expert matrices in several formats {sorted(f for f, _ in fmts)}"
+    w = mats[0]
+    if w.format not in FMT_CODES:
+        return f"format {w.format} has no host kernel"
+    quant = w.format in _CODES
+    if quant and (H_in % 32 or I % 32):
+        return f"{w.format} kernel needs in and intermediate sizes that are multiples of 32 (got {H_in}, {I})"
+    if w.format == "int4" and (int(w.params.get("group", 32)) % 32 or w.params.get("scale_dtype", "bfloat16") not in SCALE_CODES):
+        return f"int4 with group {w.params.get('group')} (the kernel takes multiples of 32)"
+    if w.format == "fp8_e4m3" and (int(list(w.params.get("block", (128, 128)))[1]) % 8 or H_in % 8 or I % 8):
+        return "fp8 scale tiles or sizes that are not multiples of 8"
+    for b in ("gate_up_bias", "down_bias"):
+        if b in by and by[b].format not in ("fp32", "bf16", "fp16"):
+            return f"{b} in {by[b].format}"
+    return None
+
+
+class HostMoE:
+    """Grouped expert compute on the CPU for one expert layout. ``run`` takes the experts' blob views
+    (``name.suffix`` -> tensor, as the store returns them) and their rows of ``xs``; writes ``ys``."""
+
+    def __init__(self, weights: list, H_in: int, I: int, H_out: int, act: str = "swiglu",
+                 limit: float = 0.0, alpha: float = 0.0, act_quant: str = "none") -> None:
+        if act_quant not in ACT_QUANT:
+            raise ValueError(f"host activation quantization {act_quant!r} is not one of {', '.join(ACT_QUANT)}")
+        why = unsupported(weights, H_in, I)
+        if why is not None:
+            raise ValueError(why)
+        self.lib = lib()
+        if self.lib is None:
+            raise RuntimeError("host kernels are not available")
+        by = {w.name: w for w in weights}
+        w = by["down"]
+        self.format = w.format
+        self.max_rows = MAX_ROWS["quantized" if w.format in _CODES else "dense"]
+        a = self.args = MoEArgs()
+        a.fmt = FMT_CODES[w.format]
+        a.sfmt = SCALE_CODES.get(w.params.get("scale_dtype", "float32"), 0)
+        a.group = int(w.params.get("group", 32))
+        block = list(w.params.get("block", (1, 1)))
+        a.bo, a.bi = int(block[0]), int(block[1])
+        bias = by.get("gate_up_bias")
+        a.bias_fmt = FMT_CODES[bias.format] if bias is not None else -1
+        a.act = 1 if act == "swiglu_clamp" else 0
+        a.limit, a.alpha = float(limit or 0.0), float(alpha or 0.0)
+        a.H_in, a.I, a.H_out = int(H_in), int(I), int(H_out)
+        if w.format in _CODES:
+            c, s = _CODES[w.format]
+            self._keys = [f"gate.{c}", f"gate.{s}", f"up.{c}", f"up.{s}", f"down.{c}", f"down.{s}"]
+        else:
+            self._keys = ["gate_up.t", None, "gate_up.t", None, "down.t", None]
+        self._keys += ["gate_up_bias.t", "down_bias.t"] if bias is not None else [None, None]
+        # q8: mxfp4 / int4 experts dot 8-bit activations (one scale per 32) with integer products, as
+        # llama.cpp does; not exact (README: tolerance), so off unless asked for.
+        a.q8 = int(act_quant == "q8" and w.format in ("mxfp4", "int4"))
+        self.act_quant = "q8" if a.q8 else "none"
+        self._ptrs: dict = {}
+        self._h = torch.empty(0)
+        self._q = torch.empty(0, dtype=torch.int8)
+        self._d = torch.empty(0)
+
+    def _row(self, views: dict) -> list:
+        hit = self._ptrs.get(id(views))
+        if hit is None or hit[0] is not views:
+            ptrs = [0 if k is None else views[k].data_ptr() for k in self._keys]
+            hit = self._ptrs[id(views)] = (views, ptrs)   # the store keeps one views dict per slot
+        return hit[1]
+
+    def run(self, views: list, row0: list, rows: list, xs: torch.Tensor, ys: torch.Tensor,
+            threads: "int | None" = None, gather=None, combine=None) -> None:
+        """views[j]: expert j's blob views; its rows are xs[row0[j] : row0[j] + rows[j]].
+        xs: [n, H_in] float32 contiguous; ys: [n, H_out] float32 contiguous (written).
+        gather: (xin [T, H_in], tok [n] int64): xs's rows are first gathered as xin[tok] (xs is then
+        scratch). combine: (back [T*k] int64, wts [T, k] float32, out [T, H_out]): out = the k rows of
+        each token summed by weight (decode: the layer's routed part in one call)."""
+        if xs.dtype != torch.float32 or ys.dtype != torch.float32 or not (xs.is_contiguous() and ys.is_contiguous()):
+            raise ValueError("host kernel rows must be contiguous float32")
+        a = self.args
+        a.tok = a.xin = a.back = a.wts = a.out = None
+        a.T = a.k = 0
+        if gather is not None:
+            xin, tok = gather
+            if xin.dtype != torch.float32 or not xin.is_contiguous() or tok.dtype != torch.int64:
+                raise ValueError("gathered rows must be contiguous float32 with int64 token indices")
+            a.xin, a.tok = xin.data_ptr(), tok.data_ptr()
+        if combine is not None:
+            back, wts, out = combine
+            if wts.dtype != torch.float32 or out.dtype != torch.float32 or back.dtype != torch.int64 or \
+                    not (wts.is_contiguous() and out.is_contiguous() and back.is_contiguous()):
+                raise ValueError("combine needs int64 rows, float32 weights and a contiguous float32 output")
+            a.back, a.wts, a.out = back.data_ptr(), wts.data_ptr(), out.data_ptr()
+            a.T, a.k = wts.shape
+        n = len(views)
+        need = xs.shape[0] * 2 * a.I
+        if self._h.numel() < need:
+            self._h = torch.empty(need)
+        if a.q8 and self._q.numel() < xs.shape[0] * max(a.H_in, a.I):
+            self._q = torch.empty(xs.shape[0] * max(a.H_in, a.I), dtype=torch.int8)
+            self._d = torch.empty(xs.shape[0] * max(a.H_in, a.I) // 32)
+        a.xq, a.xd = self._q.data_ptr(), self._d.data_ptr()
+        ptrs = np.array([p for v in views for p in self._row(v)], dtype=np.int64)
+        r0 = np.asarray(row0, dtype=np.int64)
+        rc = np.asarray(rows, dtype=np.int64)
+        a.n_exp = n
+        a.nthreads = threads or kernel_threads()
+        a.row0, a.rows, a.ptrs = r0.ctypes.data, rc.ctypes.data, ptrs.ctypes.data
+        a.x, a.y, a.h = xs.data_ptr(), ys.data_ptr(), self._h.data_ptr()
+        rc_ = self.lib.tm_moe(ctypes.byref(a))
+        if rc_:
+            raise RuntimeError(f"tm_moe refused the layout (code {rc_})")

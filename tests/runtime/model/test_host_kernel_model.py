@@ -1,0 +1,84 @@
+"""The host kernels inside the model: a bf16 checkpoint (experts read as bf16, dense weights kept in
+bf16) against transformers on the same (upcast) weights, and the kernel path against the reference
+path (TIERED_MOE_HOST_KERNELS=0) of the same store for bf16 and each quantized format. (The released
+MXFP4 / FP8 / INT4 layouts run against transformers on the kernels in test_quantized.py: the kernels
+are the default path.)"""
+import os
+
+import pytest
+import torch
+
+from runtime import kernels
+from runtime.model import Sequence, load_model
+from runtime.model.convert import convert
+from runtime.store import Manifest
+
+from helpers import check_against_transformers  # noqa: E402
+
+pytestmark = pytest.mark.slow
+if kernels.lib() is None:
+    pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
+
+
+def _build(tmp_path_factory):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mc", os.path.join(os.path.dirname(__file__), "conftest.py"))
+    mc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mc)
+    d = tmp_path_factory.mktemp("hk")
+    hf = str(d / "hf")
+    m = mc.build_hf("qwen3_moe", hf)
+    m.to(torch.bfloat16).save_pretrained(hf)          # as released: bf16
+    import transformers   # the reference reloaded in float32 (its RoPE buffers rebuilt, not bf16-rounded)
+    return transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval(), hf, d
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    m, hf, d = _build(tmp_path_factory)
+    convert(hf, str(d / "bf16"))
+    return m, hf, d
+
+
+def _logits(store_dir, tokens):
+    model, store = load_model(store_dir)
+    try:
+        s = Sequence()
+        return torch.stack([model.forward([s], [[t]])[0] for t in tokens]), model
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("frac", [1.0, 0.1])
+def test_bf16_store_matches_transformers_on_the_kernels(bf16, frac):
+    ref, hf, d = bf16
+    model, store = load_model(str(d / "bf16"))
+    try:
+        assert model.executor.kernel is not None and model.executor.kernel.format == "bf16"
+        assert model.layers[0].attn.qkv.kept and model.head.kept          # dense weights stay bf16
+        assert model.codec.cache_bytes == 0                               # no float32 copies of experts
+    finally:
+        store.close()
+    check_against_transformers(ref, str(d / "bf16"), frac, "qwen3_moe bf16 on the host kernels")
+
+
+@pytest.mark.parametrize("which", ["bf16", "int4", "mxfp4", "fp8"])
+def test_kernel_path_equals_reference_path(bf16, which, monkeypatch):
+    ref, hf, d = bf16
+    store = str(d / which)
+    if not Manifest.current(store):
+        convert(hf, store, quantize=which)
+    tokens = list(range(3, 19))
+    fast, model = _logits(store, tokens)
+    assert model.executor.kernel is not None
+    monkeypatch.setenv("TIERED_MOE_HOST_KERNELS", "0")
+    kernels.reset()
+    try:
+        slow, model = _logits(store, tokens)
+        assert model.executor.kernel is None and not model.layers[0].attn.qkv.kept
+        assert "TIERED_MOE_HOST_KERNELS=0" in kernels.unavailable()
+    finally:
+        monkeypatch.delenv("TIERED_MOE_HOST_KERNELS")
+        kernels.reset()
+    assert (fast - slow).abs().max().item() < 1e-4 * max(1.0, slow.abs().max().item())
+    assert torch.equal(fast.argmax(-1), slow.argmax(-1))

@@ -1,0 +1,160 @@
+"""The host expert kernels (runtime/kernels/moe_cpu.c) against the reference: every format's blob
+dequantized by the format's own definition (checked against the specs in model/test_quantized.py),
+then the expert FFN in float64 here. The kernel decodes each element to its exact float32 value, so
+the only difference is the order of float32 sums: a relative error of a few float32 ulps of the
+output's scale, checked at 2e-5 of the largest output."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import kernels
+from runtime.kernels.moe import HostMoE, unsupported
+from runtime.quant import ExpertCodec, encode_expert, expert_weight_specs, get_format
+
+if kernels.lib() is None:
+    pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
+
+FORMATS = [("fp32", {}), ("bf16", {}), ("fp16", {}), ("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"}),
+           ("int4", {"group": 64, "scale_dtype": "float32"}), ("int4", {"group": 128, "scale_dtype": "float16"}),
+           ("fp8_e4m3", {"block": (128, 128)}), ("fp8_e4m3", {"block": (32, 32)}), ("fp8_e4m3", {"block": (1, 192)})]
+
+
+def make_experts(fmt, params, H, I, n, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    specs = expert_weight_specs(H, I, get_format(fmt, **params), torch.bfloat16 if bias else None)
+    blobs = []
+    for _ in range(n):
+        gate, up, down = (torch.randn(s, generator=g) * 0.1 for s in ((I, H), (I, H), (H, I)))
+        t = {"gate": gate, "up": up, "gate_up": torch.cat([gate, up]), "down": down}
+        if bias:
+            t["gate_up_bias"], t["down_bias"] = torch.randn(2 * I, generator=g), torch.randn(H, generator=g)
+        blobs.append(encode_expert(specs, t))
+    return specs, blobs
+
+
+def reference(specs, blob, x, clamp=None):
+    """float64 SwiGLU expert on x [n, H] from the blob's dequantized weights."""
+    codec = ExpertCodec(specs, torch.float32, "cpu")
+    w = {k: v.double() for k, v in codec.dequantize_all(blob).items()}
+    I = w["down"].shape[1]
+    gu = torch.cat([w["gate"], w["up"]]) if "gate" in w else w["gate_up"]
+    h = x.double() @ gu.T + w.get("gate_up_bias", 0)
+    g, u = h[:, :I], h[:, I:]
+    if clamp is None:
+        a = torch.nn.functional.silu(g) * u
+    else:
+        limit, alpha = clamp
+        g = g.clamp(max=limit)
+        a = (u.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+    return a @ w["down"].T + w.get("down_bias", 0)
+
+
+@pytest.mark.parametrize("fmt,params", FORMATS, ids=[f"{f}-{'-'.join(map(str, p.values()))}" for f, p in FORMATS])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_the_dequantized_reference(fmt, params, threads):
+    H, I = 192, 160 if fmt not in ("int4",) or params["group"] <= 32 else 256
+    if fmt == "int4" and params["group"] == 128:
+        H, I = 256, 256
+    specs, blobs = make_experts(fmt, params, H, I, 5, seed=threads)
+    kern = HostMoE(specs, H, I, H)
+    rows = [1, 4, 0, 7, 2]           # 0: an expert without tokens; 7: row groups of 4 and 3
+    row0 = np.cumsum([0] + rows[:-1]).tolist()
+    xs = torch.randn(sum(rows), H, generator=torch.Generator().manual_seed(7))
+    ys = torch.full((sum(rows), H), float("nan"))
+    kern.run(blobs, row0, rows, xs, ys, threads=threads)
+    for blob, a, n in zip(blobs, row0, rows):
+        if not n:
+            continue
+        ref = reference(specs, blob, xs[a:a + n])
+        err = (ys[a:a + n].double() - ref).abs().max().item()
+        assert err <= 2e-5 * ref.abs().max().item(), (fmt, params, err)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_biases_and_the_clamped_swiglu(fmt):
+    """gpt-oss's experts: biases in bf16 and (up + 1) * g * sigmoid(1.702 g) with clamping at 7."""
+    H, I = 128, 96
+    specs, blobs = make_experts(fmt, {}, H, I, 3, bias=True)
+    for b in blobs:   # push pre-activations past the clamp
+        b["gate_up_bias.t"].mul_(8)
+    kern = HostMoE(specs, H, I, H, act="swiglu_clamp", limit=7.0, alpha=1.702)
+    xs = torch.randn(6, H, generator=torch.Generator().manual_seed(3)) * 4
+    ys = torch.empty(6, H)
+    kern.run(blobs, [0, 1, 3], [1, 2, 3], xs, ys)
+    for blob, a, n in zip(blobs, [0, 1, 3], [1, 2, 3]):
+        ref = reference(specs, blob, xs[a:a + n], clamp=(7.0, 1.702))
+        assert (ys[a:a + n].double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+
+
+def test_layouts_the_kernel_refuses_are_named():
+    assert "multiples of 32 (got 64, 48)" in unsupported(expert_weight_specs(64, 48, get_format("int4", group=16)), 64, 48)
+    assert "no host kernel" in unsupported([type(w)(w.name, w.shape, "q3", {}) for w in
+                                            expert_weight_specs(64, 64, get_format("bf16"))], 64, 64)
+    assert "group 16" in unsupported(expert_weight_specs(64, 64, get_format("int4", group=16)), 64, 64)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        HostMoE(expert_weight_specs(64, 48, get_format("int4", group=16)), 64, 48, 64)
+
+
+def test_rows_must_be_contiguous_float32():
+    specs, blobs = make_experts("bf16", {}, 64, 64, 1)
+    kern = HostMoE(specs, 64, 64, 64)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kern.run(blobs, [0], [1], torch.randn(1, 64, dtype=torch.bfloat16), torch.empty(1, 64))
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 9])
+def test_bf16_linear_matches_float64(n):
+    g = torch.Generator().manual_seed(n)
+    K, N = 200, 75                    # neither a multiple of 8 nor of 16: every tail path
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+    x = torch.randn(n, K, generator=g)
+    y = torch.empty(n, N)
+    kernels.lib().tm_linear_bf16(x.data_ptr(), n, K, w.data_ptr(), N, y.data_ptr(), 2)
+    ref = x.double() @ w.double().T
+    assert (y.double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item() * math.sqrt(K / 64)
+
+
+@pytest.mark.parametrize("fmt,params", [("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"}),
+                                        ("int4", {"group": 128, "scale_dtype": "float32"})])
+def test_q8_activations_within_their_stated_error(fmt, params):
+    """q8 (as llama.cpp's Q8_0): each 32 activations rounded to 8 bits by their own scale (an
+    element's error at most amax / 254), then integer dot products. Not exact: the output's relative
+    error against the exact kernel is stated as under 2% here (the README's tolerance) and nonzero."""
+    H, I = 256, 256
+    specs, blobs = make_experts(fmt, params, H, I, 3, seed=5)
+    exact, q8 = HostMoE(specs, H, I, H), HostMoE(specs, H, I, H, act_quant="q8")
+    xs = torch.randn(5, H, generator=torch.Generator().manual_seed(9))
+    ye, yq = torch.empty(5, H), torch.empty(5, H)
+    exact.run(blobs, [0, 1, 3], [1, 2, 2], xs, ye)
+    q8.run(blobs, [0, 1, 3], [1, 2, 2], xs, yq)
+    rel = ((yq - ye).norm() / ye.norm()).item()
+    assert 0 < rel < 0.02, rel            # not exact, and within 2% (llama.cpp's Q4_0 x Q8_0 regime)
+    with pytest.raises(ValueError, match="not one of"):
+        HostMoE(specs, H, I, H, act_quant="q4")
+
+
+def test_gather_and_combine_in_the_call():
+    """Decode's fused call: token rows gathered by index, the k outputs of each token summed by
+    weight, against the same done by hand in torch from the ungathered call."""
+    H, I, T, k = 128, 96, 3, 2
+    specs, blobs = make_experts("mxfp4", {}, H, I, 3)
+    kern = HostMoE(specs, H, I, H)
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1]])                       # [T, k] routing
+    wts = torch.rand(T, k, generator=torch.Generator().manual_seed(1))
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+    tok = order // k
+    counts = torch.bincount(flat, minlength=3).tolist()
+    row0 = [0, counts[0], counts[0] + counts[1]]
+    xin = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    ys = torch.empty(T * k, H)
+    kern.run(blobs, row0, counts, xin[tok].contiguous(), ys)
+    want = (ys[back].view(T, k, H) * wts[:, :, None]).sum(1)
+    out = torch.empty(T, H)
+    kern.run(blobs, row0, counts, torch.empty(T * k, H), torch.empty(T * k, H), gather=(xin, tok),
+             combine=(back, wts, out))
+    assert torch.allclose(out, want, rtol=1e-6, atol=1e-6)
