@@ -18,7 +18,9 @@ How:
 - ours: each configuration in a fresh process with torch.set_num_threads(T), every expert resident
   (LRU, no prefetch), 8-token prompts (prefill_chunk 8), 32 new tokens; the engine is stepped by hand:
   decode tokens/s = tokens produced after the step where every request had its first token / the
-  time since that step (prefill timed apart). A warm-up run, then the best of two.
+  time since that step (prefill timed apart). A warm-up run, then the best of two. The 4-bit stores
+  run twice: float32 activations (the default, exact to float32 rounding) and --host-act-quant q8
+  (8-bit activations, as llama.cpp computes Q4_0 and MXFP4); the ratio takes our better one.
 - Interleaved: each rep runs every configuration, llama.cpp and ours alternating which goes first;
   the best of --reps kept per side.
 - Memory bandwidth: STREAM-like copy (read + write bytes) and read-only sum of a 512 MB float32
@@ -65,9 +67,16 @@ WIDE = dict(decode_speed.MID, hidden_size=2048, intermediate_size=4096, num_hidd
             num_key_value_heads=4, head_dim=128, moe_intermediate_size=1024)
 SHAPES = {"mid": decode_speed.MID, "wide": WIDE}
 # ours -> (llama.cpp type, our --quantize, llama.cpp bits per routed weight)
-FORMATS = {"bf16": ("BF16", None, 16.0), "int4": ("Q4_0", "int4", 4.5), "mxfp4": ("MXFP4_MOE", "mxfp4", 4.25)}
+FORMATS = {"bf16": ("BF16", None, 16.0), "int4": ("Q4_0", "int4", 4.5), "mxfp4": ("MXFP4_MOE", "mxfp4", 4.25),
+           # The same bytes on both sides: llama.cpp's routed experts 4-bit, every other weight left bf16, as
+           # our 4-bit stores hold them (stock Q4_0 quantizes attention and the head too; MXFP4_MOE makes them Q8_0)
+           "int4-x": ("Q4_0", "int4", 4.5), "mxfp4-x": ("MXFP4_MOE", "mxfp4", 4.25)}
+EXPERTS_ONLY = {"int4-x", "mxfp4-x"}
+KEEP_BF16 = ["--tensor-type", "attn_q=bf16", "--tensor-type", "attn_k=bf16", "--tensor-type", "attn_v=bf16",
+             "--tensor-type", "attn_output=bf16", "--tensor-type", "ffn_gate_inp=bf16", "--output-tensor-type", "bf16",
+             "--token-embedding-type", "bf16"]
 BATCHES, THREADS = (1, 8), (1, 2)
-Q8_FORMATS = ("int4", "mxfp4")
+Q8_FORMATS = ("int4", "mxfp4", "int4-x", "mxfp4-x")
 
 
 def ours_best(r: dict) -> float:
@@ -146,10 +155,12 @@ def ggufs(tree: str, bindir: str, hf: str, work: str, shape: str, formats: list)
     out = {}
     for f in formats:
         kind = FORMATS[f][0]
-        path = os.path.join(work, f"{shape}-{kind}.gguf")
+        tag = kind + ("-experts-only" if f in EXPERTS_ONLY else "")
+        path = os.path.join(work, f"{shape}-{tag}.gguf")
         if not os.path.exists(path):
-            log(f"{shape}: llama-quantize {kind} -> {path}")
-            sh([os.path.join(bindir, "llama-quantize"), bf16, path + ".part", kind, "2"])
+            log(f"{shape}: llama-quantize {tag} -> {path}")
+            extra = KEEP_BF16 if f in EXPERTS_ONLY else []
+            sh([os.path.join(bindir, "llama-quantize"), *extra, bf16, path + ".part", kind, "2"])
             os.replace(path + ".part", path)
         out[f] = path
     return out
@@ -217,7 +228,7 @@ def build_hf(cfg: dict, hf: str) -> None:
 def stores(hf: str, work: str, shape: str, formats: list) -> dict:
     out = {}
     for f in formats:
-        store = os.path.join(work, f"{shape}-store-{f}")
+        store = os.path.join(work, f"{shape}-store-{FORMATS[f][1] or 'bf16'}")
         if not Manifest.current(store):
             log(f"{shape}: tiered-moe convert {f} -> {store}")
             convert(hf, store, quantize=FORMATS[f][1])
@@ -342,7 +353,8 @@ def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> 
          f"`llama-bench -p 0 -n {NEW}`, batch 8 `llama-batched-bench -npp {PROMPT} -ntg {NEW} -npl 8` (S_TG); ours "
          f"every expert resident, tokens after every sequence's first token / the time since. Best of {a.reps} "
          f"interleaved reps per side (every run is in the .json). Pairs: "
-         + "; ".join(f"{FORMATS[f][0]} vs our {f} store" for f in formats) + ".\n\n"]
+         + "; ".join(f"{FORMATS[f][0]}{' (experts only, the rest bf16)' if f in EXPERTS_ONLY else ''} vs our "
+                     f"{FORMATS[f][1] or 'bf16'} store" for f in formats) + ".\n\n"]
     for s in shapes:
         c = SHAPES[s]
         L += [f"## {s}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers x {c['num_experts']} experts top-"

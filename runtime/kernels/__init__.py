@@ -138,6 +138,16 @@ def unavailable() -> "str | None":
     return _state["why"]
 
 
+def warn_once() -> None:
+    """One line on stderr when the kernels are off for a reason other than the user's own switch:
+    CPU experts then run the (much slower) reference path, which a user should know."""
+    why = unavailable()
+    if why and "TIERED_MOE_HOST_KERNELS=0" not in why and not _state.get("warned"):
+        _state["warned"] = True
+        print(f"tiered-moe: host kernels off ({why.splitlines()[0]}); CPU experts use the slower reference path",
+              file=sys.stderr)
+
+
 def set_threads(n: int) -> None:
     """Threads the kernels use: the model's forward sets torch's configured count (it runs small
     torch ops on fewer; the kernels split even one token's experts)."""

@@ -12,9 +12,9 @@ from . import FMT_CODES, SCALE_CODES, MoEArgs, lib, threads as kernel_threads
 # Per format: the blob tensors (suffixes) holding each part's codes and scales.
 _CODES = {"mxfp4": ("blocks", "scales"), "int4": ("packed", "scale"), "fp8_e4m3": ("weight", "scale_inv")}
 # Tokens per expert above which the reference path (dequantize or widen into scratch, then one BLAS
-# matmul) beats the kernel's GEMV (prefill; bench/host_kernels.py's second table): about 16-32 for
+# matmul) beats the kernel's GEMV (prefill; bench/host_kernels.py's second table): about 8-16 for
 # bf16 experts, past 64 for quantized ones, whose reference pays a dequantization per call.
-MAX_ROWS = {"dense": 16, "quantized": 96}
+MAX_ROWS = {"dense": 8, "quantized": 64}
 ACT_QUANT = ("none", "q8")
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ... import kernels
 
-# Rows up to which the GEMV beats widening the weight for one BLAS call (bench/host_kernels.py).
+# Rows up to which the GEMV is used; past them the weight is widened for one BLAS call (prefill).
 GEMV_ROWS = 16
 
 

@@ -205,6 +205,7 @@ class ExpertExecutor:
 def host_kernel(cfg: MoEConfig, weights: list, act_quant: str = "none"):
     """(HostMoE or None, why not): the grouped CPU kernel for this expert layout."""
     if kernels.lib() is None:
+        kernels.warn_once()
         return None, kernels.unavailable()
     why = unsupported(weights, cfg.expert_in, cfg.expert_intermediate)
     if why is not None:
