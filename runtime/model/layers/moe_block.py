@@ -149,7 +149,6 @@ class ExpertExecutor:
             host_job(ys)
         return ys
 
-
     def grouped(self, codec, views: list, row0: list, rows: list, xs: torch.Tensor, ys: torch.Tensor) -> None:
         """Experts on the CPU: views[j] (blob views) on xs[row0[j] : row0[j] + rows[j]] -> ys (float32,
         contiguous). One kernel call for every expert of decode size; an expert with more rows
