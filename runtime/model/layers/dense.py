@@ -34,15 +34,6 @@ class Linear:
             self.w = None
             self.wt = w.to(dtype).t().contiguous()                       # wt: [in, out]
 
-    @property
-    def nbytes(self) -> int:
-        t = self.w if self.kept else self.wt
-        return t.numel() * t.element_size()
-
-    def weight(self) -> torch.Tensor:
-        """The weight [out, in] in the compute dtype (a copy where it is kept in bf16)."""
-        return self.w.to(self.dtype) if self.kept else self.wt.t()
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, in] -> [n, out]."""
         if not self.kept:
