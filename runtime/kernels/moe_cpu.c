@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) void nib_row(const int R, const uin
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int per = group / 32, nc = K / 32;
     for (int c = 0; c < nc; c++) {
-        float s = mx ? E8M0[((const uint8_t *)srow)[c]] : scale_at(srow, sfmt, c / per);
+        float s = mx ? E8M0[((const uint8_t *)srow)[c]] : scale_at(srow, sfmt, per == 1 ? c : c / per);
         __m256 sv = _mm256_set1_ps(s), w[4];
         nib32(wrow + 16 * c, lut, w);
         for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(w[j], sv);        /* the exact dequantized value */
@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) void nib_row_q8(const int R, const 
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int per = group / 32, nc = K / 32;
     for (int c = 0; c < nc; c++) {
-        float sw = mx ? E8M0[((const uint8_t *)srow)[c]] : scale_at(srow, sfmt, c / per);
+        float sw = mx ? E8M0[((const uint8_t *)srow)[c]] : scale_at(srow, sfmt, per == 1 ? c : c / per);
         __m256i w = nib_codes(wrow + 16 * c, lut);
         __m256i aw = _mm256_sign_epi8(w, w);
         for (int r = 0; r < R; r++) {
