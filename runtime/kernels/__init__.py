@@ -126,7 +126,10 @@ def _load():
 
 
 def lib():
-    """The loaded kernel library, or None (then ``unavailable()`` says why)."""
+    """The loaded kernel library, or None (then ``unavailable()`` says why). Called on hot paths
+    (every norm and attention layer of a step): the lock only until the first load."""
+    if "lib" in _state:
+        return _state["lib"]
     with _lock:
         if "lib" not in _state:
             _state["lib"], _state["why"] = _load()

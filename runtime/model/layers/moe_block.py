@@ -178,9 +178,7 @@ class ExpertExecutor:
         t0 = time.perf_counter()
         k.run([fetch.tensors(e) for e in d.used], [d.off[e] for e in d.used], d.counts, xs, ys,
               gather=(xin.contiguous(), d.tok), combine=(d.back, wts.float().contiguous(), out))
-        if fetch.host:   # the call's time, by the host experts' share of its rows
-            host_rows = sum(n for e, n in zip(d.used, d.counts) if e in fetch.host)
-            fetch.store.record_host_compute((time.perf_counter() - t0) * host_rows / max(1, len(d.tok)))
+        _record_host_share(fetch, d.used, d.counts, t0)
         return out
 
     def run_host(self, fetch, xs: torch.Tensor, off: list) -> torch.Tensor:
@@ -195,10 +193,16 @@ class ExpertExecutor:
                 t0 = time.perf_counter()
                 rows = [off[e + 1] - off[e] for e in group]
                 self.grouped(self.codec, [fetch.tensors(e) for e in group], [off[e] for e in group], rows, x32, ys)
-                host_rows = sum(n for e, n in zip(group, rows) if e in fetch.host)
-                if host_rows:   # the call's time, by the host experts' share of its rows
-                    fetch.store.record_host_compute((time.perf_counter() - t0) * host_rows / max(1, sum(rows)))
+                _record_host_share(fetch, group, rows, t0)
         return ys if xs.dtype == torch.float32 else ys.to(xs.dtype)
+
+
+def _record_host_share(fetch, experts: list, rows: list, t0: float) -> None:
+    """Hybrid execution's host compute time: a grouped call's time since ``t0``, by the share of its
+    rows that host-tier experts had (device and host experts run in the same call on a CPU)."""
+    host_rows = sum(n for e, n in zip(experts, rows) if e in fetch.host) if fetch.host else 0
+    if host_rows:
+        fetch.store.record_host_compute((time.perf_counter() - t0) * host_rows / max(1, sum(rows)))
 
 
 def host_kernel(cfg: MoEConfig, weights: list, act_quant: str = "none"):
