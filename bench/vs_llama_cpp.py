@@ -16,11 +16,14 @@ How:
   timed: both sides decode token ids). Batch 1: `llama-bench -p 0 -n 32 -r 1 -o json` (avg_ts, decode
   only); batch 8: `llama-batched-bench -npp 8 -ntg 32 -npl 8 --output-format jsonl` (speed_tg).
 - ours: each configuration in a fresh process with torch.set_num_threads(T), every expert resident
-  (LRU, no prefetch), 8-token prompts (prefill_chunk 8), 32 new tokens; the engine is stepped by hand:
-  decode tokens/s = tokens produced after the step where every request had its first token / the
-  time since that step (prefill timed apart). A warm-up run, then the best of two. The 4-bit stores
-  run twice: float32 activations (the default, exact to float32 rounding) and --host-act-quant q8
-  (8-bit activations, as llama.cpp computes Q4_0 and MXFP4); the ratio takes our better one.
+  (loaded into the device tier before timing, LRU, no prefetch), 8-token prompts (prefill_chunk 8), 32
+  new tokens; the engine is stepped by hand: decode tokens/s = tokens produced after the step where
+  every request had its first token / the time since that step (prefill timed apart). A warm-up run,
+  then the best of two. The 4-bit stores run twice: as stored with float32 activations (the default,
+  exact to float32 rounding), and "fast", the llama.cpp-like setting (FAST): --host-act-quant q8 (8-bit
+  activations, as llama.cpp computes Q4_0 and MXFP4) with --dense-quant matching the GGUF's dense
+  weights (Q4_0 file: int4, the head int8 where llama.cpp has Q6_K; MXFP4_MOE file: int8, as its Q8_0;
+  experts-only files: none). The ratio takes our better one.
 - Interleaved: each rep runs every configuration, llama.cpp and ours alternating which goes first;
   the best of --reps kept per side.
 - Memory bandwidth: STREAM-like copy (read + write bytes) and read-only sum of a 512 MB float32
@@ -76,12 +79,17 @@ KEEP_BF16 = ["--tensor-type", "attn_q=bf16", "--tensor-type", "attn_k=bf16", "--
              "--tensor-type", "attn_output=bf16", "--tensor-type", "ffn_gate_inp=bf16", "--output-tensor-type", "bf16",
              "--token-embedding-type", "bf16"]
 BATCHES, THREADS = (1, 8), (1, 2)
-Q8_FORMATS = ("int4", "mxfp4", "int4-x", "mxfp4-x")
+# 4-bit stores run a second, llama.cpp-like setting: 8-bit activations (--host-act-quant q8) and the dense
+# weights quantized at load as the GGUF holds them (--dense-quant): stock Q4_0 has Q4_0 attention (the head
+# Q6_K; ours int8), MXFP4_MOE has Q8_0 attention and head; the experts-only files keep them bf16, as stored.
+FAST = {"int4": ("q8", "int4"), "mxfp4": ("q8", "int8"), "int4-x": ("q8", "none"), "mxfp4-x": ("q8", "none")}
 
 
 def ours_best(r: dict) -> float:
-    """Our best setting of a configuration: exact, or q8 activations where measured."""
-    return max(r["ours"], r.get("ours_q8", 0.0))
+    """Our best setting of a configuration: exact, or the llama.cpp-like one where measured."""
+    return max(r["ours"], r.get("ours_fast", 0.0))
+
+
 # Run convert_hf_to_gguf.py with an unknown BPE pre-tokenizer named "qwen2" instead of refused.
 CONVERT_SHIM = r"""
 import runpy, sys
@@ -237,7 +245,7 @@ def stores(hf: str, work: str, shape: str, formats: list) -> dict:
 
 
 # -- ours ------------------------------------------------------------------------------------------
-def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none") -> dict:
+def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none", dense_quant: str = "none") -> dict:
     """In a fresh process: every expert resident, a warm-up run, then the best decode rate of two."""
     import inspect
     from runtime.engine import Engine, SamplingParams
@@ -246,8 +254,10 @@ def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none") -
     m = Manifest.read(store)
     kw = {"max_batch": batch} if "max_batch" in inspect.signature(load_model).parameters else {}
     model, st = load_model(store, expert_budget=m.num_layers * m.num_experts * m.blob_stride, policy="lru",
-                           host_act_quant=act_quant, **kw)
+                           host_act_quant=act_quant, dense_quant=dense_quant, **kw)
     best = {"rate": 0.0}
+    for layer in range(m.num_layers):      # every expert in the device tier before timing (llama.cpp's are mapped)
+        st.request(layer, list(range(m.num_experts)), 0).wait()
     try:
         for rep, seed in enumerate((1000 + batch, batch, 2000 + batch)):
             eng = Engine(model, st, max_batch=batch, prefill_chunk=PROMPT, prefetch="none")
@@ -271,10 +281,10 @@ def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none") -
     return best
 
 
-def ours_rate(store: str, batch: int, threads: int, act_quant: str = "none") -> float:
+def ours_rate(store: str, batch: int, threads: int, act_quant: str = "none", dense_quant: str = "none") -> float:
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": str(threads)}
-    out = sh([sys.executable, os.path.abspath(__file__), "--worker", store, str(batch), str(threads), act_quant],
-             env=env)
+    out = sh([sys.executable, os.path.abspath(__file__), "--worker", store, str(batch), str(threads), act_quant,
+              dense_quant], env=env)
     line = [x for x in out.splitlines() if x.startswith("RESULT ")]
     return json.loads(line[-1][len("RESULT "):])["rate"]
 
@@ -314,9 +324,9 @@ def run_pairs(bindir: str, items: list, reps: int) -> dict:
             for b in BATCHES:
                 for t in THREADS:
                     key = (shape, fmt, b, t)
-                    # 4-bit stores run twice on our side: float32 activations (the default, exact) and
-                    # --host-act-quant q8 (8-bit activations, as llama.cpp computes Q4_0 / MXFP4)
-                    sides = ("ours", "ours_q8") if fmt in Q8_FORMATS else ("ours",)
+                    # 4-bit stores run twice on our side: as stored with float32 activations (the default,
+                    # exact) and FAST's llama.cpp-like setting
+                    sides = ("ours", "ours_fast") if fmt in FAST else ("ours",)
                     cur = best.setdefault(key, {"llama": 0.0, "llama_runs": [], **{x: 0.0 for x in sides},
                                                 **{x + "_runs": [] for x in sides}})
                     order = ("llama",) + sides if (rep + idx) % 2 == 0 else sides + ("llama",)
@@ -325,7 +335,7 @@ def run_pairs(bindir: str, items: list, reps: int) -> dict:
                             r, bs = llama_rate(bindir, gguf, b, t)
                             build = bs or build
                         else:
-                            r = ours_rate(store, b, t, "q8" if side == "ours_q8" else "none")
+                            r = ours_rate(store, b, t, *(FAST[fmt] if side == "ours_fast" else ("none", "none")))
                         cur[side] = max(cur[side], r)
                         cur[side + "_runs"].append(r)
                         log(f"rep {rep} {shape} {fmt} batch {b} threads {t} {side}: {r:.1f} tok/s")
@@ -360,13 +370,13 @@ def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> 
         L += [f"## {s}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers x {c['num_experts']} experts top-"
               f"{c['num_experts_per_tok']}, expert width {c['moe_intermediate_size']}, {c['num_attention_heads']}/"
               f"{c['num_key_value_heads']} heads of {c['head_dim']}, vocab {c['vocab_size']}\n\n",
-              "| weights | batch | threads | llama.cpp tok/s | tiered-moe tok/s | tiered-moe q8 tok/s "
+              "| weights | batch | threads | llama.cpp tok/s | tiered-moe tok/s | tiered-moe fast tok/s "
               "| best tiered-moe / llama.cpp |\n", "|---|---|---|---|---|---|---|\n"]
         for f in formats:
             for b in BATCHES:
                 for t in THREADS:
                     r = best[(s, f, b, t)]
-                    q8 = f"{r['ours_q8']:.1f}" if "ours_q8" in r else "-"
+                    q8 = f"{r['ours_fast']:.1f}" if "ours_fast" in r else "-"
                     L.append(f"| {FORMATS[f][0]} / {f} | {b} | {t} | {r['llama']:.1f} | {r['ours']:.1f} | {q8} | "
                              f"{ours_best(r) / r['llama']:.2f} |\n")
         L.append("\nScaling (tiered-moe; llama.cpp in brackets):\n\n")
@@ -434,7 +444,8 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         store, batch, threads = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
         aq = sys.argv[5] if len(sys.argv) > 5 else "none"
-        print("RESULT " + json.dumps(ours_worker(store, batch, threads, aq)), flush=True)
+        dq = sys.argv[6] if len(sys.argv) > 6 else "none"
+        print("RESULT " + json.dumps(ours_worker(store, batch, threads, aq, dq)), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tiered-moe-bench-vs-llama"))

@@ -305,7 +305,8 @@ def _runtime_config(a, max_active="args"):
                              threads=getattr(a, "threads", None), cache_bonus=a.cache_bonus, schedule=a.schedule,
                              max_active=a.max_active if max_active == "args" else max_active,
                              cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
-                             profile=a.profile)
+                             profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "none"),
+                             dense_quant=getattr(a, "dense_quant", "none"))
     except ValueError as e:
         raise CliError(str(e)) from None
 

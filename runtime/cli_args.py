@@ -93,9 +93,13 @@ def _add_hybrid_args(p, live: bool = True) -> None:
                         "takes from demand loads; always: every prediction up to the budget")
     if live:
         p.add_argument("--host-act-quant", default="none", choices=["none", "q8"],
-                       help="4-bit (mxfp4, int4) experts computed on the CPU: none (default) = float32 activations, "
-                            "exact to float32 rounding; q8 = activations rounded to 8 bits per 32 values and integer "
-                            "dot products, as llama.cpp does (faster where the CPU is the limit, ~1%% output error)")
+                       help="quantized (mxfp4, int4, int8) experts and --dense-quant weights computed on the CPU: none "
+                            "(default) = float32 activations, exact to float32 rounding; q8 = activations rounded to 8 "
+                            "bits per 32 values and integer dot products, as llama.cpp does (faster, ~1%% output error)")
+        p.add_argument("--dense-quant", default="none", choices=["none", "int8", "int4"],
+                       help="non-expert projections (attention, dense MLPs, shared experts, the head) quantized at load "
+                            "for the CPU kernels: int8 (group 32, as llama.cpp's Q8_0) or int4 (group 32; the head "
+                            "int8), a quarter or an eighth of their float32 bytes; default none (as stored)")
         p.add_argument("--profile", default=None, help="hardware profile of those decisions (default: cpu without "
                                                        "CUDA, h200 with it), or a profile JSON file")
 

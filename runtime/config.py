@@ -28,6 +28,7 @@ class RuntimeConfig:
     prefetch_rule: str = "cost"          # cost | always (cache_policy.prefetch.PrefetchGate)
     profile: "str | None" = None         # hardware profile of the cost decisions (default: cpu / h200)
     host_act_quant: str = "none"         # none | q8: 4-bit experts on the CPU dot 8-bit activations (runtime/kernels)
+    dense_quant: str = "none"            # none | int8 | int4: non-expert projections quantized at load (layers/dense.py)
 
     def __post_init__(self) -> None:
         from cache_policy.cost_model import load_profile
@@ -62,6 +63,9 @@ class RuntimeConfig:
         from .kernels.moe import ACT_QUANT
         if self.host_act_quant not in ACT_QUANT:
             raise ValueError(f"--host-act-quant {self.host_act_quant!r}: use {' or '.join(ACT_QUANT)}")
+        from .model.layers.dense import DENSE_QUANT
+        if self.dense_quant not in DENSE_QUANT:
+            raise ValueError(f"--dense-quant {self.dense_quant!r}: use {', '.join(DENSE_QUANT)}")
 
     def load(self, progress: bool = False):
         """The model and its store, as configured: (model, store)."""
@@ -73,7 +77,8 @@ class RuntimeConfig:
         return load_model(self.model, device_budget=self.device_budget, expert_budget=self.expert_budget,
                           kv_cache_bytes=self.kv_cache_budget, host_budget=self.host_budget, policy=self.policy,
                           scope=self.scope, cpu_experts=self.cpu_experts, profile=self.profile,
-                          max_batch=self.max_batch, progress=progress, host_act_quant=self.host_act_quant)
+                          max_batch=self.max_batch, progress=progress, host_act_quant=self.host_act_quant,
+                          dense_quant=self.dense_quant)
 
     def engine(self, model, store, *, max_batch: "int | None" = None, max_active: "int | None" = None,
                keep_records: bool = True):

@@ -17,6 +17,10 @@ Formats (the definitions the tests re-implement independently):
 - ``int4`` (compressed-tensors ``pack-quantized``, symmetric, ``group`` elements per scale, as
   Kimi K2 ships it): q in [-8, 7] stored as q + 8, eight per little-endian int32 with element i
   at bits 4i..4i+3; w = q * scale. With group 32 and bf16 scales: 4.5 bits per parameter.
+- ``int8`` (llama.cpp's Q8_0 layout as a format of ours): symmetric, ``group`` elements per scale,
+  q in [-127, 127] stored as int8, row-major ``[out, in]``; w = q * scale. With group 32 and
+  float16 scales: 8.5 bits per parameter. Also what ``--dense-quant int8`` makes of non-expert
+  weights (runtime/model/layers/dense.py).
 - ``fp8_e4m3`` (DeepSeek-V3's ``weight_scale_inv``): FP8 E4M3 elements and one float32 scale per
   ``block = (rows, cols)`` tile (128 x 128 in DeepSeek-V3; ``(1, in)`` is per output channel);
   w = fp8 * scale.
@@ -26,6 +30,8 @@ Rounding of ``quantize`` (``convert --quantize``):
   E2M1 exponent is 2), elements rounded to the nearest E2M1 value, ties to the even code,
   saturated at +-6.
 - int4: scale = amax of the group / 7 (no clipping), q = round-half-even(w / scale).
+- int8: scale = amax of the group / 127 (rounded to the scale dtype), q = round-half-even(w / scale)
+  clamped to +-127.
 - fp8_e4m3: scale = amax of the tile / 448, elements cast to E4M3 (round to nearest even).
 """
 from __future__ import annotations
@@ -224,16 +230,21 @@ class MXFP4(_Nibbles):
         return {"blocks": self.pack(code.reshape(O, I)), "scales": (e + 127).to(torch.uint8)}
 
 
+def _group_scales(fmt: str, group: int, scale_dtype: str) -> tuple:
+    """(group, scale dtype) of a group-scaled integer format, checked."""
+    if group < 8 or group % 8:
+        raise ValueError(f"{fmt} group size must be a positive multiple of 8, got {group}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"{fmt} scale dtype {scale_dtype!r} is not supported; use one of {', '.join(SCALE_DTYPES)}")
+    return int(group), scale_dtype
+
+
 class INT4(_Nibbles):
     name = "int4"
     values = tuple(float(v - 8) for v in range(16))
 
     def __init__(self, group: int = 32, scale_dtype: str = "bfloat16") -> None:
-        if group < 8 or group % 8:
-            raise ValueError(f"int4 group size must be a positive multiple of 8, got {group}")
-        if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"int4 scale dtype {scale_dtype!r} is not supported; use one of {', '.join(SCALE_DTYPES)}")
-        self.group, self.scale_dtype = int(group), scale_dtype
+        self.group, self.scale_dtype = _group_scales(self.name, group, scale_dtype)
         super().__init__()
 
     def params(self):
@@ -262,6 +273,38 @@ class INT4(_Nibbles):
 
     def _hint(self):
         return f" (int4, group {self.group}, {self.scale_dtype} scales)"
+
+
+class INT8(WeightFormat):
+    name = "int8"
+
+    def __init__(self, group: int = 32, scale_dtype: str = "float16") -> None:
+        self.group, self.scale_dtype = _group_scales(self.name, group, scale_dtype)
+
+    def params(self):
+        return {"group": self.group, "scale_dtype": self.scale_dtype}
+
+    def parts(self, shape):
+        _split_cols(shape, self.group, f"int8 with group {self.group}")
+        O, I = shape
+        return [Part("weight", (O, I), torch.int8), Part("scale", (O, I // self.group), SCALE_DTYPES[self.scale_dtype])]
+
+    def quantize(self, w):
+        O, I = w.shape
+        g = w.float().reshape(O, I // self.group, self.group)
+        scale = (g.abs().amax(-1) / 127).to(SCALE_DTYPES[self.scale_dtype])   # rounded once, used as stored
+        s = scale.float().unsqueeze(-1)
+        q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
+        return {"weight": q.reshape(O, I).to(torch.int8), "scale": scale}
+
+    def dequantize(self, parts, out):
+        O, I = out.shape
+        out.copy_(parts["weight"])
+        out.view(O, I // self.group, self.group).mul_(parts["scale"].float().unsqueeze(-1))
+        return out
+
+    def _hint(self):
+        return f" (int8, group {self.group}, {self.scale_dtype} scales)"
 
 
 class FP8(_Lut16):
@@ -349,6 +392,8 @@ FORMATS = {
     "int4": FormatSpec(lambda group=32, scale_dtype="bfloat16", **kw: INT4(group, scale_dtype), "int4", 4.5,
                        quantize="int4"),
     "fp8_e4m3": FormatSpec(lambda block=(128, 128), **kw: FP8(block), "fp8", 8.0, quantize="fp8"),
+    "int8": FormatSpec(lambda group=32, scale_dtype="float16", **kw: INT8(group, scale_dtype), "int8", 8.5,
+                       quantize="int8"),
 }
 
 

@@ -3,6 +3,8 @@ what the scheduler hands the runner (vLLM v1's ``EngineCoreRequest`` / ``EngineC
 ``SchedulerOutput``)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +58,10 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: "torch.Generator | None") -> int:
     """logits: [vocab] float32."""
+    if p.temperature < SAMPLING_EPS:
+        i = int(logits.argmax())
+        if math.isfinite(float(logits[i])):      # the largest is finite: some logit is (no scan needed)
+            return i
     if not bool(torch.isfinite(logits).any()):
         raise FloatingPointError("the model produced no finite logit for this token")
     if p.temperature < SAMPLING_EPS:

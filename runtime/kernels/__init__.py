@@ -11,12 +11,17 @@ as they sit in the tier slabs, with the codes decoded in registers: a few hundre
 
 ``TIERED_MOE_HOST_KERNELS=0`` turns the kernels off (the dequantize-then-matmul reference path
 runs instead); without a compiler, or on a CPU without AVX2 + FMA + F16C, they are off and
-``unavailable()`` says why."""
+``unavailable()`` says why.
+
+Instruction sets: AVX2 + FMA + F16C is the base build; on a CPU with AVX-512 (F, BW, VL, DQ) every
+loop runs 16 floats wide, and with AVX512-VNNI the 8-bit-activation path (``--host-act-quant q8``)
+multiplies 64 nibble codes by 64 activation bytes in one instruction, as llama.cpp does on such CPUs.
+``TIERED_MOE_HOST_ISA=avx2`` forces the base build (tests run both where the CPU has both);
+``isa()`` names the one loaded."""
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib
 import os
 import shutil
 import subprocess
@@ -25,11 +30,17 @@ import tempfile
 import threading
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_cpu.c")
-FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-mavx2", "-mfma", "-mf16c"]
 NEEDS = ("avx2", "fma", "f16c")
+# Wider builds: (name, /proc/cpuinfo flags it needs, compiler flags), widest first.
+ISAS = (("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]),
+        ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+        ("avx2", (), []))
+ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512-vnni"}
 
 # Formats and scale dtypes as the C enums number them.
-FMT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "mxfp4": 3, "int4": 4, "fp8_e4m3": 5}
+FMT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "mxfp4": 3, "int4": 4, "fp8_e4m3": 5, "int8": 6}
 SCALE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
@@ -44,7 +55,16 @@ class MoEArgs(ctypes.Structure):
                 ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("h", ctypes.c_void_p),
                 ("q8", ctypes.c_int32), ("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p),
                 ("tok", ctypes.c_void_p), ("xin", ctypes.c_void_p), ("back", ctypes.c_void_p),
-                ("wts", ctypes.c_void_p), ("out", ctypes.c_void_p), ("T", ctypes.c_int64), ("k", ctypes.c_int64)]
+                ("wts", ctypes.c_void_p), ("out", ctypes.c_void_p), ("T", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("out_add", ctypes.c_int32)]
+
+
+class LinArgs(ctypes.Structure):
+    """tm_lin_t: one quantized dense matrix (runtime/model/layers/dense.py)."""
+    _fields_ = [("fmt", ctypes.c_int32), ("sfmt", ctypes.c_int32), ("group", ctypes.c_int32), ("q8", ctypes.c_int32),
+                ("nthreads", ctypes.c_int32), ("n", ctypes.c_int64), ("K", ctypes.c_int64), ("N", ctypes.c_int64),
+                ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("W", ctypes.c_void_p), ("S", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p)]
 
 
 _lock = threading.Lock()
@@ -70,11 +90,24 @@ def cache_dir() -> str:
     return os.path.join(base, "tiered-moe", "kernels")
 
 
-def _build(cc: str, flags: set) -> str:
+def pick_isa(flags: set, want: "str | None" = None) -> tuple:
+    """(name, extra compiler flags) of the widest build this CPU runs, or ``want`` (TIERED_MOE_HOST_ISA)
+    when the CPU has it; a ``want`` the CPU lacks or that is unknown raises ValueError."""
+    names = [n for n, _, _ in ISAS]
+    if want and want not in names:
+        raise ValueError(f"TIERED_MOE_HOST_ISA={want!r} is not one of {', '.join(names)}")
+    for name, needs, extra in ISAS:
+        if all(f in flags for f in needs) and (not want or want == name):
+            return name, extra
+    raise ValueError(f"TIERED_MOE_HOST_ISA={want}: this CPU lacks "
+                     f"{', '.join(f for f in dict((n, x) for n, x, _ in ISAS)[want] if f not in flags)}")
+
+
+def _build(cc: str, flags: set, extra: list) -> str:
     """Compile moe_cpu.c unless a build of this source, these flags and this CPU is cached; the path."""
     with open(SRC, "rb") as f:
         src = f.read()
-    key = hashlib.sha256(src + " ".join([cc] + FLAGS + sorted(flags & set(NEEDS))).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc] + FLAGS + extra + sorted(flags & set(NEEDS))).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     path = os.path.join(out_dir, f"moe_cpu-{key}.so")
     if os.path.exists(path):
@@ -83,7 +116,7 @@ def _build(cc: str, flags: set) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        p = subprocess.run([cc, *FLAGS, SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
+        p = subprocess.run([cc, *FLAGS, *extra, SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
         if p.returncode:
             raise RuntimeError(f"{cc} failed on {SRC}:\n{p.stderr[-2000:]}")
         os.replace(tmp, path)       # atomic: a concurrent build leaves one complete file
@@ -105,16 +138,30 @@ def _load():
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         return None, "no C compiler (gcc or cc) on PATH"
-    importlib.import_module("torch")   # its libgomp first: the kernels then share torch's OpenMP threads
     try:
-        lib = ctypes.CDLL(_build(cc, flags))
+        isa, extra = pick_isa(flags, os.environ.get("TIERED_MOE_HOST_ISA") or None)
+    except ValueError as e:
+        return None, str(e)
+    try:
+        lib = ctypes.CDLL(_build(cc, flags, extra))
     except (OSError, RuntimeError) as e:
         return None, str(e)
+    lib.tm_isa.restype = ctypes.c_int
+    lib.tm_set_spin_us.argtypes = [ctypes.c_int64]
+    lib.tm_set_spin_us(int(os.environ.get("TIERED_MOE_SPIN_US", "2000")))
+    lib.tm_q8_ldd.argtypes = [ctypes.c_int64]
+    lib.tm_q8_ldd.restype = ctypes.c_int64
+    if ISA_NAMES[lib.tm_isa()] != isa:   # the compiler ignored a flag: say so rather than mislabel
+        return None, f"{cc} built {ISA_NAMES[lib.tm_isa()]} code for the {isa} flags"
     lib.tm_moe.argtypes = [ctypes.POINTER(MoEArgs)]
     lib.tm_moe.restype = ctypes.c_int
     lib.tm_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_int32]
     lib.tm_linear_bf16.restype = ctypes.c_int
+    lib.tm_linear_q.argtypes = [ctypes.POINTER(LinArgs)]
+    lib.tm_linear_q.restype = ctypes.c_int
+    lib.tm_attn_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.tm_attn_block.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_float, ctypes.c_void_p]
     lib.tm_rms_norm.restype = ctypes.c_int
@@ -134,6 +181,12 @@ def lib():
         if "lib" not in _state:
             _state["lib"], _state["why"] = _load()
     return _state["lib"]
+
+
+def isa() -> "str | None":
+    """The instruction set of the loaded kernels (avx2, avx512, avx512-vnni), or None when off."""
+    lb = lib()
+    return None if lb is None else ISA_NAMES[lb.tm_isa()]
 
 
 def unavailable() -> "str | None":

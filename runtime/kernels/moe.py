@@ -10,7 +10,9 @@ import torch
 from . import FMT_CODES, SCALE_CODES, MoEArgs, lib, threads as kernel_threads
 
 # Per format: the blob tensors (suffixes) holding each part's codes and scales.
-_CODES = {"mxfp4": ("blocks", "scales"), "int4": ("packed", "scale"), "fp8_e4m3": ("weight", "scale_inv")}
+_CODES = {"mxfp4": ("blocks", "scales"), "int4": ("packed", "scale"), "fp8_e4m3": ("weight", "scale_inv"),
+          "int8": ("weight", "scale")}
+Q8_FORMATS = ("mxfp4", "int4", "int8")   # formats --host-act-quant q8 computes with 8-bit activations
 # Tokens per expert above which the reference path (dequantize or widen into scratch, then one BLAS
 # matmul) beats the kernel's GEMV (prefill; bench/host_kernels.py's second table): about 8-16 for
 # bf16 experts, past 64 for quantized ones, whose reference pays a dequantization per call.
@@ -31,8 +33,9 @@ def unsupported(weights: list, H_in: int, I: int) -> "str | None":
     quant = w.format in _CODES
     if quant and (H_in % 32 or I % 32):
         return f"{w.format} kernel needs in and intermediate sizes that are multiples of 32 (got {H_in}, {I})"
-    if w.format == "int4" and (int(w.params.get("group", 32)) % 32 or w.params.get("scale_dtype", "bfloat16") not in SCALE_CODES):
-        return f"int4 with group {w.params.get('group')} (the kernel takes multiples of 32)"
+    if w.format in ("int4", "int8") and (int(w.params.get("group", 32)) % 32
+                                          or w.params.get("scale_dtype", "bfloat16") not in SCALE_CODES):
+        return f"{w.format} with group {w.params.get('group')} (the kernel takes multiples of 32)"
     if w.format == "fp8_e4m3" and (int(list(w.params.get("block", (128, 128)))[1]) % 8 or H_in % 8 or I % 8):
         return "fp8 scale tiles or sizes that are not multiples of 8"
     for b in ("gate_up_bias", "down_bias"):
@@ -61,7 +64,7 @@ class HostMoE:
         self.max_rows = MAX_ROWS["quantized" if w.format in _CODES else "dense"]
         a = self.args = MoEArgs()
         a.fmt = FMT_CODES[w.format]
-        a.sfmt = SCALE_CODES.get(w.params.get("scale_dtype", "float32"), 0)
+        a.sfmt = SCALE_CODES.get(w.params.get("scale_dtype", "float32" if w.format != "int8" else "float16"), 0)
         a.group = int(w.params.get("group", 32))
         block = list(w.params.get("block", (1, 1)))
         a.bo, a.bi = int(block[0]), int(block[1])
@@ -76,34 +79,63 @@ class HostMoE:
         else:
             self._keys = ["gate_up.t", None, "gate_up.t", None, "down.t", None]
         self._keys += ["gate_up_bias.t", "down_bias.t"] if bias is not None else [None, None]
-        # q8: mxfp4 / int4 experts dot 8-bit activations (one scale per 32) with integer products, as
+        # q8: mxfp4 / int4 / int8 experts dot 8-bit activations (one scale per 32) with integer products, as
         # llama.cpp does; not exact (README: tolerance), so off unless asked for.
-        a.q8 = int(act_quant == "q8" and w.format in ("mxfp4", "int4"))
+        a.q8 = int(act_quant == "q8" and w.format in Q8_FORMATS)
         self.act_quant = "q8" if a.q8 else "none"
         self._ptrs: dict = {}
         self._h = torch.empty(0)
         self._q = torch.empty(0, dtype=torch.int8)
         self._d = torch.empty(0)
 
-    def _row(self, views: dict) -> list:
+    def _row(self, views: dict) -> np.ndarray:
         hit = self._ptrs.get(id(views))
         if hit is None or hit[0] is not views:
-            ptrs = [0 if k is None else views[k].data_ptr() for k in self._keys]
+            ptrs = np.array([0 if k is None else views[k].data_ptr() for k in self._keys], dtype=np.int64)
             hit = self._ptrs[id(views)] = (views, ptrs)   # the store keeps one views dict per slot
         return hit[1]
 
-    def run(self, views: list, row0: list, rows: list, xs: torch.Tensor, ys: torch.Tensor,
-            threads: "int | None" = None, gather=None, combine=None) -> None:
+    def _scratch(self, n_rows: int) -> None:
+        a = self.args
+        if self._h.numel() < n_rows * 2 * a.I:
+            self._h = torch.empty(n_rows * 2 * a.I)
+        if a.q8 and self._q.numel() < n_rows * max(a.H_in, a.I):
+            K = max(a.H_in, a.I)
+            self._q = torch.empty(n_rows * K, dtype=torch.int8)
+            self._d = torch.empty(n_rows * self.lib.tm_q8_ldd(K))   # scales: the build's layout
+        a.xq, a.xd, a.h = self._q.data_ptr(), self._d.data_ptr(), self._h.data_ptr()
+
+    def run_step(self, views: list, row0: np.ndarray, rows: np.ndarray, xs: int, ys: int, n_rows: int, xin: int,
+                 tok: int, back: int, wts: int, out: int, T: int, k: int) -> None:
+        """Decode's call from layers/fused.py, on buffers it owns and checked: addresses of the gathered
+        rows xs / ys [n_rows, ...] (scratch), the layer input xin [T, H_in], the sorted rows' tokens
+        tok, each (token, slot)'s row back and weight wts [T, k], and out [T, H_out], which the
+        weighted sum is added into; row0 / rows: int64 arrays of the experts' first rows and counts."""
+        a = self.args
+        self._scratch(n_rows)
+        ptrs = np.concatenate([self._row(v) for v in views])
+        a.n_exp, a.nthreads = len(views), kernel_threads()
+        a.row0, a.rows, a.ptrs = row0.ctypes.data, rows.ctypes.data, ptrs.ctypes.data
+        a.x, a.y, a.xin, a.tok, a.back, a.wts, a.out = xs, ys, xin, tok, back, wts, out
+        a.T, a.k, a.out_add = T, k, 1
+        rc = self.lib.tm_moe(ctypes.byref(a))
+        if rc:
+            raise RuntimeError(f"tm_moe refused the layout (code {rc})")
+
+    def run(self, views: list, row0, rows, xs: torch.Tensor, ys: torch.Tensor,
+            threads: "int | None" = None, gather=None, combine=None, out_add: bool = False) -> None:
         """views[j]: expert j's blob views; its rows are xs[row0[j] : row0[j] + rows[j]].
         xs: [n, H_in] float32 contiguous; ys: [n, H_out] float32 contiguous (written).
         gather: (xin [T, H_in], tok [n] int64): xs's rows are first gathered as xin[tok] (xs is then
         scratch). combine: (back [T*k] int64, wts [T, k] float32, out [T, H_out]): out = the k rows of
-        each token summed by weight (decode: the layer's routed part in one call)."""
+        each token summed by weight (decode: the layer's routed part in one call); ``out_add``: added
+        into out (the residual stream) instead."""
         if xs.dtype != torch.float32 or ys.dtype != torch.float32 or not (xs.is_contiguous() and ys.is_contiguous()):
             raise ValueError("host kernel rows must be contiguous float32")
         a = self.args
         a.tok = a.xin = a.back = a.wts = a.out = None
         a.T = a.k = 0
+        a.out_add = int(out_add)
         if gather is not None:
             xin, tok = gather
             if xin.dtype != torch.float32 or not xin.is_contiguous() or tok.dtype != torch.int64:
@@ -117,20 +149,14 @@ class HostMoE:
             a.back, a.wts, a.out = back.data_ptr(), wts.data_ptr(), out.data_ptr()
             a.T, a.k = wts.shape
         n = len(views)
-        need = xs.shape[0] * 2 * a.I
-        if self._h.numel() < need:
-            self._h = torch.empty(need)
-        if a.q8 and self._q.numel() < xs.shape[0] * max(a.H_in, a.I):
-            self._q = torch.empty(xs.shape[0] * max(a.H_in, a.I), dtype=torch.int8)
-            self._d = torch.empty(xs.shape[0] * max(a.H_in, a.I) // 32)
-        a.xq, a.xd = self._q.data_ptr(), self._d.data_ptr()
-        ptrs = np.array([p for v in views for p in self._row(v)], dtype=np.int64)
+        self._scratch(xs.shape[0])
+        ptrs = np.concatenate([self._row(v) for v in views]) if views else np.zeros(0, np.int64)
         r0 = np.asarray(row0, dtype=np.int64)
         rc = np.asarray(rows, dtype=np.int64)
         a.n_exp = n
         a.nthreads = threads or kernel_threads()
         a.row0, a.rows, a.ptrs = r0.ctypes.data, rc.ctypes.data, ptrs.ctypes.data
-        a.x, a.y, a.h = xs.data_ptr(), ys.data_ptr(), self._h.data_ptr()
+        a.x, a.y = xs.data_ptr(), ys.data_ptr()
         rc_ = self.lib.tm_moe(ctypes.byref(a))
         if rc_:
             raise RuntimeError(f"tm_moe refused the layout (code {rc_})")

@@ -22,7 +22,8 @@ def compute_dtype_for(dtype: torch.dtype, device) -> torch.dtype:
 def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_budget: "int | None" = None,
                kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "reuse", scope: str = "global",
                device: "str | None" = None, progress: bool = False, dtype=None, cpu_experts="0",
-               profile: "str | None" = None, max_batch: int = 1, host_act_quant: str = "none"):
+               profile: "str | None" = None, max_batch: int = 1, host_act_quant: str = "none",
+               dense_quant: str = "none"):
     """A converted store -> (model, store).
 
     ``device_budget``: the whole device tier - dense weights, the KV cache reservation
@@ -32,7 +33,8 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     activations and KV cache are computed in; default the checkpoint's, except float32 for a
     half-precision checkpoint on a CPU (see ``compute_dtype_for``). ``cpu_experts`` (0, N or auto) and
     ``profile``: hybrid execution, see ``ExpertStore``. ``host_act_quant``: none or q8, how 4-bit experts
-    computed on the CPU take their activations (runtime/kernels/moe.py). ``max_batch``: sequences that run at once; a
+    computed on the CPU take their activations (runtime/kernels/moe.py); ``dense_quant``: none, int8 or
+    int4, the non-expert projections quantized at load (runtime/model/layers/dense.py). ``max_batch``: sequences that run at once; a
     model with linear-attention layers reserves their recurrent state on the device (in
     ``kv_cache_bytes`` when given)."""
 
@@ -75,7 +77,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                         device=device, min_experts_per_layer=cfg.top_k, progress=progress, cpu_experts=cpu_experts,
                         profile=profile)
     return MoEModel(cfg, dense, store, device=store.device, dtype=dtype, kv_bytes=kv_cache_bytes or None,
-                    host_act_quant=host_act_quant), store
+                    host_act_quant=host_act_quant, dense_quant=dense_quant), store
 
 
 __all__ = ["SUPPORTED", "MoEConfig", "MoEModel", "Sequence", "route", "load_model"]

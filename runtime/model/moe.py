@@ -30,11 +30,17 @@ from .layers.norm import rms_norm
 from .layers.rope import RotaryEmbedding, mla_softmax_scale, rope_frequencies
 from .layers.router import route
 from .layers.dense import Linear
-from .layers.weights import DenseTensors, layer_prefix, take, take_raw
+from .layers.fused import FusedDecode, StepBuffers
+from .layers.weights import DenseTensors, layer_prefix, linear_opts, take, take_raw
 
 __all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
            "TokenCacheSpec", "WindowCacheSpec", "cache_specs", "kv_bytes_per_token", "kv_shape",
            "state_bytes_per_sequence", "rms_norm", "route", "rope_frequencies", "mla_softmax_scale"]
+
+
+def fused_decode_on() -> bool:
+    import os
+    return os.environ.get("TIERED_MOE_FUSED_DECODE", "1") != "0"
 
 
 @dataclass
@@ -91,7 +97,7 @@ def dense_tensors(cfg: MoEConfig) -> dict:
 
 class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32,
-                 kv_bytes: "int | None" = None, host_act_quant: str = "none") -> None:
+                 kv_bytes: "int | None" = None, host_act_quant: str = "none", dense_quant: str = "none") -> None:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         # Set by the engine between steps; read into each forward's ForwardContext.
         self.cache_bonus = 0.0            # cache-aware routing: added to resident experts' router logits
@@ -105,7 +111,10 @@ class MoEModel:
                     dense[k] = dense[k].float() + cfg.norm_offset
         # Takes ownership of `dense`: the layers take it apart, each tensor converted to the compute
         # dtype as it is taken (layers/weights.py), so at most one converted copy is alive at a time.
-        w = DenseTensors(dense, device, dtype)
+        from .layers.dense import DENSE_QUANT
+        if dense_quant not in DENSE_QUANT:
+            raise ValueError(f"dense quantization {dense_quant!r} is not one of {', '.join(DENSE_QUANT)}")
+        w = DenseTensors(dense, device, dtype, dense_quant, host_act_quant)
         dense.clear()
         self.rope = RotaryEmbedding(cfg, device, dtype)
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
@@ -136,8 +145,14 @@ class MoEModel:
         self.norm = take(w, "model.norm.weight")
         self.final_query = take(w, "model.attn_res.final_query") if cfg.attn_res_block_layers else None
         # An untied lm_head is a Linear like the attention weights (kept bf16 where that pays).
-        self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype) if "lm_head.weight" in w else None
+        self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype, **linear_opts(w, head=True)) \
+            if "lm_head.weight" in w else None
         self.unused = sorted(w)    # dense tensors of the store no layer reads (none for a supported model)
+        # CPU decode: each GQA + MoE layer in two kernel calls where the kernels cover it (layers/fused.py);
+        # None for a layer that runs composed. TIERED_MOE_FUSED_DECODE=0 turns it off (tests compare).
+        self.fused = [FusedDecode.build(layer, device) if fused_decode_on() else None for layer in self.layers]
+        dims = [f.dims() for f in self.fused if f is not None]
+        self._step_bufs = StepBuffers(tuple(max(d[i] for d in dims) for i in range(7))) if dims else None
 
     @property
     def codec(self):
@@ -246,8 +261,9 @@ class MoEModel:
         x = self.layers_attn_res(x, ctx) if self.final_query is not None else self.run_layers(x, ctx)
         for s, c in zip(seqs, chunks):
             s.length += len(c)
-        last = torch.tensor([b - 1 for _, b in ctx.spans], device=self.device)
-        h = rms_norm(x[last], self.norm, cfg.rms_norm_eps)
+        # decode: every token is its sequence's last
+        h = rms_norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans], device=self.device)],
+                     self.norm, cfg.rms_norm_eps)
         if self.head is not None:
             return self.head(h).float()
         return torch.nn.functional.linear(h, self.embed).float()   # tied: the embedding's rows
@@ -255,9 +271,20 @@ class MoEModel:
     def run_layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The decoder layers on the plain residual stream. x: [tokens, hidden]."""
         eps = self.cfg.rms_norm_eps
-        for layer in self.layers:
+        # Fused layers update x in place (a fresh tensor: the embedding rows were gathered into it).
+        bufs = self._step_bufs
+        fused = bufs is not None and ctx.decode and not ctx.cache_bonus and x.dtype == torch.float32
+        if fused:
+            x = x.contiguous()
+            bufs.begin(x, ctx)
+        for layer, fz in zip(self.layers, self.fused):
+            if fused and fz is not None:
+                fz(ctx, bufs)
+                continue
             x = x + layer.attn(rms_norm(x, layer.input_norm, eps), ctx)
             x = x + layer.ffn(rms_norm(x, layer.post_norm, eps), ctx)
+            if fused:
+                bufs.begin(x, ctx)        # a composed layer made a new x
         return x
 
     def layers_attn_res(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

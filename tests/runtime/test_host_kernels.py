@@ -16,8 +16,23 @@ from runtime.quant import ExpertCodec, encode_expert, expert_weight_specs, get_f
 if kernels.lib() is None:
     pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
 
+# Every build this CPU runs (the widest is the default; the others are what CPUs without AVX-512 or
+# VNNI load): each test below runs on each.
+ISAS = [name for name, needs, _ in kernels.ISAS if all(f in kernels._cpu_flags() for f in needs)]
+
+
+@pytest.fixture(params=ISAS, autouse=True)
+def isa(request, monkeypatch):
+    monkeypatch.setenv("TIERED_MOE_HOST_ISA", request.param)
+    kernels.reset()
+    assert kernels.isa() == request.param, kernels.unavailable()
+    yield request.param
+    monkeypatch.delenv("TIERED_MOE_HOST_ISA")
+    kernels.reset()
+
 FORMATS = [("fp32", {}), ("bf16", {}), ("fp16", {}), ("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"}),
            ("int4", {"group": 64, "scale_dtype": "float32"}), ("int4", {"group": 128, "scale_dtype": "float16"}),
+           ("int8", {"group": 32, "scale_dtype": "float16"}), ("int8", {"group": 64, "scale_dtype": "bfloat16"}),
            ("fp8_e4m3", {"block": (128, 128)}), ("fp8_e4m3", {"block": (32, 32)}), ("fp8_e4m3", {"block": (1, 192)})]
 
 
@@ -54,9 +69,9 @@ def reference(specs, blob, x, clamp=None):
 @pytest.mark.parametrize("fmt,params", FORMATS, ids=[f"{f}-{'-'.join(map(str, p.values()))}" for f, p in FORMATS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_the_dequantized_reference(fmt, params, threads):
-    H, I = 192, 160 if fmt not in ("int4",) or params["group"] <= 32 else 256
-    if fmt == "int4" and params["group"] == 128:
-        H, I = 256, 256
+    H, I = 192, 160 if fmt not in ("int4", "int8") or params["group"] <= 32 else 256
+    if fmt in ("int4", "int8") and params["group"] >= 64:
+        H, I = 256, 256                  # divisible by the group; K = 160 / 192 cover every leftover-chunk count
     specs, blobs = make_experts(fmt, params, H, I, 5, seed=threads)
     kern = HostMoE(specs, H, I, H)
     rows = [1, 4, 0, 7, 2]           # 0: an expert without tokens; 7: row groups of 4 and 3
@@ -158,3 +173,67 @@ def test_gather_and_combine_in_the_call():
     kern.run(blobs, row0, counts, torch.empty(T * k, H), torch.empty(T * k, H), gather=(xin, tok),
              combine=(back, wts, out))
     assert torch.allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """The q8 rule written out: each 32 values of a row scaled by amax / 127 and rounded half to even
+    to integers (returned dequantized, float64)."""
+    n, K = x.shape
+    g = x.double().reshape(n, K // 32, 32)
+    d = (g.abs().amax(-1, keepdim=True).float() / 127).double()      # the scale as float32 computes it
+    q = torch.where(d > 0, torch.round(g / torch.where(d > 0, d, 1.0)), 0.0)
+    return (q * d).reshape(n, K)
+
+
+@pytest.mark.parametrize("fmt,params", [("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"}),
+                                        ("int4", {"group": 64, "scale_dtype": "float32"}),
+                                        ("int8", {"group": 32, "scale_dtype": "float16"})])
+@pytest.mark.parametrize("H,I", [(256, 256), (160, 96), (224, 288)])   # 4k, 4k + 1, 4k + 3 chunks of 32
+def test_q8_path_is_the_q8_rule_exactly(fmt, params, H, I):
+    """q8 against its definition: x rounded by q8_rows, the expert in float64 on the dequantized weights,
+    its SwiGLU output rounded by q8_rows again before down. The kernel's integer dots are exact, so only
+    float32 sums (and a rare rounding tie of h flipped by them) remain: 1e-4 of the output's scale."""
+    if params.get("group", 32) > 32 and (H % params["group"] or I % params["group"]):
+        pytest.skip("sizes not divisible by the group")
+    specs, blobs = make_experts(fmt, params, H, I, 3, seed=11)
+    kern = HostMoE(specs, H, I, H, act_quant="q8")
+    xs = torch.randn(6, H, generator=torch.Generator().manual_seed(4))
+    ys = torch.empty(6, H)
+    kern.run(blobs, [0, 1, 4], [1, 3, 2], xs, ys)
+    codec = ExpertCodec(specs, torch.float32, "cpu")
+    for blob, a, n in zip(blobs, [0, 1, 4], [1, 3, 2]):
+        w = {k: v.double() for k, v in codec.dequantize_all(blob).items()}
+        h = q8_rows(xs[a:a + n]) @ torch.cat([w["gate"], w["up"]]).T
+        act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        ref = q8_rows(act.float()) @ w["down"].T
+        err = (ys[a:a + n].double() - ref).abs().max().item()
+        assert err <= 1e-4 * ref.abs().max().item(), (fmt, err)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("act_quant", ["none", "q8"])
+@pytest.mark.parametrize("K,N,n", [(96, 40, 1), (256, 75, 3), (160, 33, 9), (512, 64, 17)])
+def test_dense_quant_linear_matches_its_definition(quant, act_quant, K, N, n):
+    """--dense-quant: the weight quantized by the int8 / int4 format's own rule (runtime/quant.py, whose
+    dequantization test_quantized checks against the specs), x as is or by the q8 rule; float64 here."""
+    from runtime.model.layers.dense import Linear
+    from runtime.quant import get_format
+    g = torch.Generator().manual_seed(K + n)
+    w, b, x = torch.randn(N, K, generator=g).to(torch.bfloat16), torch.randn(N, generator=g), torch.randn(n, K, generator=g)
+    lin = Linear(w, b, torch.float32, quant=quant, act_quant=act_quant)
+    assert lin.quant == quant and lin.nbytes < w.nbytes
+    fmt = get_format(quant, group=32, scale_dtype="float16" if quant == "int8" else "bfloat16")
+    wd = torch.empty(N, K)
+    fmt.dequantize(fmt.quantize(w.float()), wd)
+    xr = q8_rows(x) if act_quant == "q8" else x.double()
+    ref = xr @ wd.double().T + b.double()
+    y = lin(x)
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_dense_quant_needs_a_multiple_of_32_and_names_bad_values():
+    from runtime.model.layers.dense import Linear
+    w = torch.randn(8, 40)
+    assert Linear(w, None, torch.float32, quant="int8").quant == "none"     # 40 inputs: kept as it is
+    with pytest.raises(ValueError, match="not one of none, int8, int4"):
+        Linear(w, None, torch.float32, quant="q4")

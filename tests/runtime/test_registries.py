@@ -50,9 +50,9 @@ class Int8Row(WeightFormat):
 def toys(monkeypatch):
     monkeypatch.setitem(POLICIES, "fifo", FIFO)
     monkeypatch.setitem(quant.FORMATS, "int8_row", None)       # registered below; removed after the test
-    monkeypatch.setitem(cm.DTYPE_BITS, "int8", 8.0 + 32.0 / 64)   # restored after the test
+    monkeypatch.setitem(cm.DTYPE_BITS, "int8row", 8.0 + 32.0 / 64)   # removed after the test
     register_policy(FIFO)
-    register_format("int8_row", FormatSpec(lambda **kw: Int8Row(), "int8", 8.0 + 32.0 / 64, quantize="int8"))
+    register_format("int8_row", FormatSpec(lambda **kw: Int8Row(), "int8row", 8.0 + 32.0 / 64, quantize="int8row"))
     yield
     for k in [k for k in quant._INSTANCES if k[0] == "int8_row"]:
         del quant._INSTANCES[k]
@@ -66,7 +66,7 @@ def test_register_policy_refuses_what_is_not_a_policy():
 def test_a_registered_policy_and_format_reach_the_cli(toys, capsys):
     sub = build_parser()._subparsers._group_actions[0].choices
     assert "fifo" in sub["generate"].format_help() and "fifo" in sub["serve"].format_help()
-    assert "mxfp4, int4, fp8, int8" in " ".join(sub["convert"].format_help().split())
+    assert "mxfp4, int4, fp8, int8, int8row" in " ".join(sub["convert"].format_help().split())
     assert main(["replay", "--synthetic", "--geometry", "small", "--sequences", "4", "--seq-len", "8",
                  "--policy", "fifo,lru", "--batch", "2", "--json"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
@@ -90,7 +90,7 @@ def test_a_registered_format_converts_stores_and_computes_and_the_policy_runs_li
                               topics=4, skew=0.5)
     build_checkpoint(str(tmp_path / "hf"), spec)
     convert(str(tmp_path / "hf"), str(tmp_path / "f32"))
-    convert(str(tmp_path / "hf"), str(tmp_path / "q"), quantize="int8")
+    convert(str(tmp_path / "hf"), str(tmp_path / "q"), quantize="int8row")
     m = Manifest.read(str(tmp_path / "q"))
     assert m.expert_format == "int8_row"
     I, H = 64, 64
@@ -118,8 +118,8 @@ def test_a_registered_format_converts_stores_and_computes_and_the_policy_runs_li
         live, tr = eng.summary()["hits"], eng.trace()
     finally:
         store.close()
-    assert tr.expert_dtype == "int8"
+    assert tr.expert_dtype == "int8row"
     r = replay_batch(tr, ReplayConfig(policy="fifo", scope="global", device_capacity=str(slots)), 2)
     assert live["device"] == r["hits"]["device"] and sum(live.values()) == r["accesses"]
     assert r["expert_bytes"] == m.blob_bytes     # sized from the manifest and the format's cost dtype
-    assert r["expert_params"] == round(m.blob_bytes * 8 / cm.DTYPE_BITS["int8"])
+    assert r["expert_params"] == round(m.blob_bytes * 8 / cm.DTYPE_BITS["int8row"])

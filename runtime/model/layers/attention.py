@@ -14,7 +14,7 @@ from .context import ForwardContext
 from .norm import rms_norm
 from .rope import rotate_half_roll
 from .dense import Linear
-from .weights import compute_dtype, layer_prefix, take, take_opt, take_raw
+from .weights import compute_dtype, layer_prefix, linear_opts, take, take_opt, take_raw
 
 
 class Attention:
@@ -43,8 +43,9 @@ class Attention:
         # One concatenated copy replaces q, k, v (one product; layers/dense.py keeps it bf16 where that pays).
         qkv = torch.cat([take_raw(w, f"{p}{n}_proj.weight") for n in parts])
         dt = compute_dtype(w, qkv)
-        self.qkv = Linear(qkv, torch.cat([take_raw(w, f"{p}{n}_proj.bias") for n in parts]) if cfg.qkv_bias else None, dt)
-        self.o = Linear(take_raw(w, p + "o_proj.weight"), take_opt(w, p + "o_proj.bias"), dt)
+        self.qkv = Linear(qkv, torch.cat([take_raw(w, f"{p}{n}_proj.bias") for n in parts]) if cfg.qkv_bias else None, dt,
+                          **linear_opts(w))
+        self.o = Linear(take_raw(w, p + "o_proj.weight"), take_opt(w, p + "o_proj.bias"), dt, **linear_opts(w))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "full":       # over the whole q / k projection (OLMoE, MiniMax-M2)
             self.q_norm, self.k_norm = take(w, p + "q_norm.weight"), take(w, p + "k_norm.weight")

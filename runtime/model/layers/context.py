@@ -48,18 +48,23 @@ def build_context(seqs: list, chunks: list, kv: PagedKV, rope: RotaryEmbedding, 
     if decode:
         pos = [s.length for s in seqs]
         n = max(pos) + 1
-        ctx.read = torch.stack([s.slot_ids[:n] if s.slot_ids.numel() >= n else
-                                torch.cat([s.slot_ids, s.slot_ids.new_zeros(n - s.slot_ids.numel())]) for s in seqs])
-        ctx.write = torch.stack([s.slot_ids[p] for s, p in zip(seqs, pos)])
+        if len(seqs) == 1 and seqs[0].slot_ids.numel() >= n:       # one sequence: views, no copies
+            ctx.read = seqs[0].slot_ids[:n].view(1, n)
+            ctx.write = seqs[0].slot_ids[pos[0]:pos[0] + 1]
+        else:
+            ctx.read = torch.stack([s.slot_ids[:n] if s.slot_ids.numel() >= n else
+                                    torch.cat([s.slot_ids, s.slot_ids.new_zeros(n - s.slot_ids.numel())]) for s in seqs])
+            ctx.write = torch.stack([s.slot_ids[p] for s, p in zip(seqs, pos)])
         ctx.pos = torch.tensor(pos, device=device)
-        ctx.rope = rope(ctx.pos)                                         # cos, sin: [B, rotary]
+        tables = rope.decode(pos)
+        ctx.rope = tables[:2] if tables is not None else rope(ctx.pos)   # cos, sin: [B, rotary]
         if kv.state_slots:
             ctx.state = torch.tensor([s.state for s in seqs], device=device)
             fresh = [s.state for s in seqs if s.length == 0]
             ctx.fresh = torch.tensor(fresh, device=device) if fresh else None
         if rope_heads:
             cos, sin = ctx.rope
-            ctx.rope_heads = (cos[:, None], signed_sin(sin)[:, None])
+            ctx.rope_heads = (cos[:, None], (tables[2] if tables is not None else signed_sin(sin))[:, None])
         return ctx
     ctx.prefill = [(s.slot_ids[s.length:s.length + b - a], s.slot_ids[:s.length + b - a]) for s, (a, b) in zip(seqs, spans)]
     ctx.rope = [rope(torch.arange(s.length, s.length + b - a, device=device)) for s, (a, b) in zip(seqs, spans)]

@@ -6,8 +6,20 @@ products of a few rows (decode) run the kernel's bf16 GEMV with float32 accumula
 reads half the bytes a float32 copy would, and CPU decode is bound by the bytes it reads. Larger
 products (prefill) widen the weight for one BLAS call. Otherwise the weight is held in the model's
 dtype, input-major, for ``torch.mm`` (at decode's few rows the faster CPU kernel: 200 vs 330 us for
-[1, 512] x [512, 1024] on this project's 2-core machine)."""
+[1, 512] x [512, 1024] on this project's 2-core machine).
+
+``--dense-quant int8 | int4`` (``quant``): the weight is quantized once, at load, to the int8 / int4
+expert formats (runtime/quant.py: group 32; int8 with float16 scales as llama.cpp's Q8_0, int4 with
+bf16 scales as the int4 experts) and every product runs the experts' row kernels over those codes -
+a quarter / an eighth of a float32 weight's bytes, which is what bounds CPU decode (llama.cpp's Q4_0
+and MXFP4_MOE files quantize attention and the head too). With ``act_quant`` q8 the rows of x are
+rounded to 8 bits per 32 first and the dots are integer ones (as llama.cpp computes them); otherwise
+each weight is decoded to its exact value and dotted with float32 x. Needs the host kernels and an
+input size that is a multiple of 32; elsewhere the weight stays as it is (``quant`` then reads
+"none")."""
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -15,27 +27,65 @@ from ... import kernels
 
 # Rows up to which the GEMV is used; past them the weight is widened for one BLAS call (prefill).
 GEMV_ROWS = 16
+DENSE_QUANT = ("none", "int8", "int4")
+# --dense-quant name -> (format, params) of runtime/quant.py
+_QUANT_FORMATS = {"int8": ("int8", {"group": 32, "scale_dtype": "float16"}),
+                  "int4": ("int4", {"group": 32, "scale_dtype": "bfloat16"})}
+_PARTS = {"int8": ("weight", "scale"), "int4": ("packed", "scale")}
 
 
 class Linear:
     """w: [out, in] as the checkpoint stores it (on the model's device); b: [out] or None; dtype:
-    the model's compute dtype."""
+    the model's compute dtype; quant: a ``DENSE_QUANT`` name; act_quant: none | q8 (with quant)."""
 
-    def __init__(self, w: torch.Tensor, b: "torch.Tensor | None", dtype: torch.dtype) -> None:
+    def __init__(self, w: torch.Tensor, b: "torch.Tensor | None", dtype: torch.dtype, quant: str = "none",
+                 act_quant: str = "none") -> None:
+        if quant not in DENSE_QUANT:
+            raise ValueError(f"dense quantization {quant!r} is not one of {', '.join(DENSE_QUANT)}")
         self.out_features, self.in_features = w.shape
-        self.kept = (w.dtype == torch.bfloat16 and dtype == torch.float32 and w.device.type == "cpu"
-                     and kernels.lib() is not None)
         self.b = None if b is None else b.to(dtype)
         self.dtype = dtype
-        if self.kept:
+        self.quant = quant if (quant != "none" and w.device.type == "cpu" and dtype == torch.float32
+                               and self.in_features % 32 == 0 and kernels.lib() is not None) else "none"
+        self.kept = (self.quant == "none" and w.dtype == torch.bfloat16 and dtype == torch.float32
+                     and w.device.type == "cpu" and kernels.lib() is not None)
+        self.w = self.wt = None
+        if self.quant != "none":
+            self._quantize(w, act_quant)
+        elif self.kept:
             self.w = w.contiguous()                                      # w: [out, in] bf16
-            self.wt = None
         else:
-            self.w = None
             self.wt = w.to(dtype).t().contiguous()                       # wt: [in, out]
+
+    def _quantize(self, w: torch.Tensor, act_quant: str) -> None:
+        from ...quant import get_format
+        name, params = _QUANT_FORMATS[self.quant]
+        parts = get_format(name, **params).quantize(w.float())
+        c, s = _PARTS[self.quant]
+        self.codes, self.scales = parts[c].contiguous(), parts[s].contiguous()   # [out, in or in/2], [out, in/32]
+        self.bias32 = None if self.b is None else self.b.float().contiguous()
+        a = self.args = kernels.LinArgs()
+        a.fmt = kernels.FMT_CODES[name]
+        a.sfmt = kernels.SCALE_CODES[params["scale_dtype"]]
+        a.group = params["group"]
+        a.q8 = int(act_quant == "q8")
+        a.K, a.N = self.in_features, self.out_features
+        a.W, a.S = self.codes.data_ptr(), self.scales.data_ptr()
+        a.bias = self.bias32.data_ptr() if self.bias32 is not None else None
+        self._xq = torch.empty(0, dtype=torch.int8)
+        self._xd = torch.empty(0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as held (codes and scales, or the bf16 / compute-dtype copy)."""
+        if self.quant != "none":
+            return self.codes.nbytes + self.scales.nbytes
+        return (self.w if self.kept else self.wt).nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, in] -> [n, out]."""
+        if self.quant != "none":
+            return self._quantized(x)
         if not self.kept:
             return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
         if x.shape[0] > GEMV_ROWS or x.dtype != torch.float32:
@@ -45,3 +95,20 @@ class Linear:
         kernels.lib().tm_linear_bf16(x.data_ptr(), x.shape[0], self.in_features, self.w.data_ptr(),
                                      self.out_features, y.data_ptr(), kernels.threads())
         return y if self.b is None else y.add_(self.b)
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        lib = kernels.lib()
+        x = x.float().contiguous()                                       # x: [n, in]
+        n = x.shape[0]
+        y = torch.empty(n, self.out_features)
+        a = self.args
+        if a.q8 and self._xq.numel() < n * self.in_features:
+            self._xq = torch.empty(n * self.in_features, dtype=torch.int8)
+            self._xd = torch.empty(n * lib.tm_q8_ldd(self.in_features))   # scales: the build's layout
+        a.n, a.nthreads = n, kernels.threads()
+        a.x, a.y = x.data_ptr(), y.data_ptr()
+        a.xq, a.xd = self._xq.data_ptr(), self._xd.data_ptr()
+        rc = lib.tm_linear_q(ctypes.byref(a))
+        if rc:
+            raise RuntimeError(f"tm_linear_q refused the layout (code {rc})")
+        return y

@@ -5,15 +5,15 @@ import torch
 import torch.nn.functional as F
 
 from .dense import Linear
-from .weights import compute_dtype, take_raw
+from .weights import compute_dtype, linear_opts, take_raw
 
 
 class DenseMLP:
     def __init__(self, w: dict, prefix: str) -> None:
         gate, up = take_raw(w, prefix + "gate_proj.weight"), take_raw(w, prefix + "up_proj.weight")
         self.inter = gate.shape[0]
-        self.gate_up = Linear(torch.cat([gate, up]), None, compute_dtype(w, gate))   # [gate | up]: one product
-        self.down = Linear(take_raw(w, prefix + "down_proj.weight"), None, compute_dtype(w, gate))
+        self.gate_up = Linear(torch.cat([gate, up]), None, compute_dtype(w, gate), **linear_opts(w))   # [gate | up]
+        self.down = Linear(take_raw(w, prefix + "down_proj.weight"), None, compute_dtype(w, gate), **linear_opts(w))
 
     @staticmethod
     def tensors(prefix: str, inter: int, hidden: int) -> dict:

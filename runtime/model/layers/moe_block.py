@@ -197,6 +197,13 @@ class ExpertExecutor:
         return ys if xs.dtype == torch.float32 else ys.to(xs.dtype)
 
 
+def weighted_sum(ys: torch.Tensor, back: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+    """The expert outputs ys [T*k, out] (sorted rows) back in (token, slot) order, each token's k summed
+    by its weights wts [T, k] (cheaper than index_add_ on CPU) -> [T, out]."""
+    T, k = wts.shape
+    return (ys[back].view(T, k, -1) * wts[:, :, None].to(ys.dtype)).sum(1)
+
+
 def _record_host_share(fetch, experts: list, rows: list, t0: float) -> None:
     """Hybrid execution's host compute time: a grouped call's time since ``t0``, by the share of its
     rows that host-tier experts had (device and host experts run in the same call on a CPU)."""
@@ -287,9 +294,7 @@ class MoEBlock:
     def combine(self, ys: torch.Tensor, d: Dispatch, wts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Back to (token, slot) order, then each token's k expert outputs summed by weight
         (cheaper than index_add_ on CPU); then ``finish``."""
-        T, k = wts.shape
-        y = ys[d.back].view(T, k, -1)                                    # y: [T, k, hidden or latent]
-        return self.finish((y * wts[:, :, None]).sum(1), x)
+        return self.finish(weighted_sum(ys, d.back, wts), x)
 
     def finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The routed sum ``out`` [T, hidden or latent] -> the block's output: the latent projection

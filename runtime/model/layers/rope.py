@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..config import MoEConfig
@@ -92,6 +93,21 @@ class RotaryEmbedding:
     def __init__(self, cfg: MoEConfig, device, dtype) -> None:
         inv_freq, self.factor = rope_frequencies(cfg)
         self.inv_freq, self.dtype = inv_freq.to(device), dtype
+        self._np = inv_freq.float().numpy() if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+
+    def decode(self, pos: list):
+        """(cos, sin, signed sin) [B, rotary] of one position per sequence - a decode step - in numpy
+        on a CPU: the same formula as ``__call__`` in a few us instead of ~10 torch ops; None where
+        the torch path must run (another device or dtype)."""
+        if self._np is None:
+            return None
+        freqs = np.multiply.outer(np.asarray(pos, dtype=np.float32), self._np)   # freqs: [B, rotary / 2]
+        c, s = np.cos(freqs), np.sin(freqs)
+        if self.factor != 1.0:
+            c *= np.float32(self.factor)
+            s *= np.float32(self.factor)
+        cos, sin = np.concatenate((c, c), -1), np.concatenate((s, s), -1)
+        return torch.from_numpy(cos), torch.from_numpy(sin), torch.from_numpy(np.concatenate((-s, s), -1))
 
     def __call__(self, pos: torch.Tensor):
         freqs = pos.float()[:, None] * self.inv_freq[None, :]           # freqs: [tokens, rotary dim / 2]

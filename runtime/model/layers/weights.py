@@ -9,11 +9,21 @@ from __future__ import annotations
 
 
 class DenseTensors(dict):
-    """name -> tensor as stored; ``device`` / ``dtype``: what ``take`` converts to."""
+    """name -> tensor as stored; ``device`` / ``dtype``: what ``take`` converts to; ``quant`` /
+    ``act_quant``: ``--dense-quant`` and ``--host-act-quant``, for the ``Linear`` layers build."""
 
-    def __init__(self, tensors: dict, device, dtype) -> None:
+    def __init__(self, tensors: dict, device, dtype, quant: str = "none", act_quant: str = "none") -> None:
         super().__init__(tensors)
         self.device, self.dtype = device, dtype
+        self.quant, self.act_quant = quant, act_quant
+
+
+def linear_opts(w: dict, head: bool = False) -> dict:
+    """``Linear``'s quantization options for a projection built from ``w`` (a plain dict: none). The
+    head stays at 8 bits under ``--dense-quant int4`` (llama.cpp's Q4_0 keeps it at 6: the logits
+    are what sampling reads)."""
+    q = getattr(w, "quant", "none")
+    return {"quant": "int8" if head and q != "none" else q, "act_quant": getattr(w, "act_quant", "none")}
 
 
 def take_raw(w: dict, name: str):

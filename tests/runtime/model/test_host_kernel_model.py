@@ -82,3 +82,42 @@ def test_kernel_path_equals_reference_path(bf16, which, monkeypatch):
         kernels.reset()
     assert (fast - slow).abs().max().item() < 1e-4 * max(1.0, slow.abs().max().item())
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
+
+
+@pytest.mark.parametrize("dq,tol", [("int8", 0.05), ("int4", 0.35)])
+def test_dense_quant_quantizes_every_projection_and_stays_close(bf16, dq, tol):
+    """--dense-quant: attention and the head (int8 under int4, as llama.cpp keeps it above 4 bits) run on
+    codes, routers stay float (their top-k picks the experts); the logits stay near the float model's
+    (measured: 2.4% for int8, 21% for int4 through 3 layers of this fixture's x4-scaled random weights;
+    a wrong code layout gives ~100%)."""
+    ref, hf, d = bf16
+    tokens = list(range(3, 19))
+    want, _ = _logits(str(d / "bf16"), tokens)
+    model, store = load_model(str(d / "bf16"), dense_quant=dq)
+    try:
+        for layer in model.layers:
+            assert layer.attn.qkv.quant == dq and layer.attn.o.quant == dq
+            if hasattr(layer.ffn, "router"):
+                assert layer.ffn.router.quant == "none"
+        assert model.head.quant == "int8"
+        s = Sequence()
+        got = torch.stack([model.forward([s], [[t]])[0] for t in tokens])
+    finally:
+        store.close()
+    err = ((got - want).norm() / want.norm()).item()
+    assert 0 < err < tol, err
+
+
+def test_cli_runtime_flags_reach_the_model(bf16):
+    from runtime.cli import _runtime_config, build_parser
+    ref, hf, d = bf16
+    a = build_parser().parse_args(["generate", "--model", str(d / "bf16"), "--prompt", "x", "--dense-quant", "int4",
+                                   "--host-act-quant", "q8"])
+    cfg = _runtime_config(a)
+    assert (cfg.dense_quant, cfg.host_act_quant) == ("int4", "q8")
+    model, store = cfg.load()
+    try:
+        assert model.layers[0].attn.qkv.quant == "int4" and model.layers[0].attn.qkv.args.q8 == 1
+        assert model.executor.kernel.act_quant == "none"       # bf16 experts: q8 is for quantized ones
+    finally:
+        store.close()

@@ -1,0 +1,229 @@
+"""CPU decode of a GQA + MoE decoder layer in two host-kernel calls (runtime/kernels/moe_cpu.c).
+
+A decode step of the composed layers runs ~25 small ops per layer - norms, projections, RoPE, the
+cache writes, attention, the residual adds, the router's softmax and top-k, the dispatch in numpy -
+each costing 3-10 us of Python and dispatch around a few us of work; on a mid-size model that was
+more time than the weights took to read (bench/results/vs_llama_cpp.md). Here one call,
+``tm_attn_block``, does x += o(attention(rmsnorm(x))), h = rmsnorm(x), the router's logits, its top-k
+and the dispatch (each expert's rows, as ``moe_block.dispatch`` sorts them); Python then asks the
+expert store for those experts exactly as the composed block does (placement, hit counting, hybrid
+decisions and the recorded routing stay where they are), and ``tm_moe`` adds the experts' weighted
+sum into x. The shared experts, prefetch hooks and every case the kernel does not take (experts still
+streaming in, waves, more rows than the kernel's GEMV takes) run through the composed block's own code.
+
+``FusedDecode.build`` returns None for a layer it does not cover, and why (``why_not``): sliding-window
+or gated attention, sinks, MLA and linear attention, dense MLP layers, LatentMoE, routers other than
+softmax -> top-k, top-k -> softmax and sigmoid with group-limited top-k, weights the kernels cannot read
+in place. Those layers run composed in the same step."""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+import torch
+
+from ... import kernels
+from .attention import Attention
+from .dense import Linear
+from .moe_block import MoEBlock, _record_host_share, weighted_sum
+
+_P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+ROUTER_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group": 2}
+QK_NORM_CODES = {None: 0, "none": 0, "head": 1, "full": 2}
+
+
+class LinDesc(ctypes.Structure):
+    _fields_ = [("kind", _I32), ("fmt", _I32), ("sfmt", _I32), ("group", _I32), ("q8", _I32), ("K", _I64), ("N", _I64),
+                ("W", _P), ("S", _P), ("bias", _P)]
+
+
+class LayerArgs(ctypes.Structure):
+    _fields_ = [("H", _I32), ("nh", _I32), ("nkv", _I32), ("hd", _I32), ("rd", _I32), ("qk_norm", _I32), ("E", _I32),
+                ("k", _I32), ("router", _I32), ("renorm", _I32), ("n_group", _I32), ("topk_group", _I32),
+                ("eps", _F), ("scale", _F), ("route_scale", _F),
+                ("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("correction", _P),
+                ("qkv", LinDesc), ("o", LinDesc), ("gate", LinDesc), ("K", _P), ("V", _P)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("B", _I64), ("n", _I64), ("x", _P), ("cos", _P), ("ssin", _P), ("write", _P), ("read", _P), ("pos", _P),
+                ("h", _P), ("qkv", _P), ("att", _P), ("tmp", _P), ("scores", _P), ("logits", _P), ("wts", _P),
+                ("ids", _P), ("xq", _P), ("xd", _P), ("n_used", _P), ("used", _P), ("counts", _P), ("row0", _P),
+                ("rows", _P), ("tok", _P), ("back", _P), ("nthreads", _I32)]
+
+
+def lin_desc(lin: Linear) -> "LinDesc | None":
+    """The C view of a Linear (weights where the Linear holds them), or None where it has none."""
+    d = LinDesc()
+    d.K, d.N = lin.in_features, lin.out_features
+    if lin.quant != "none":
+        a = lin.args
+        d.kind, d.fmt, d.sfmt, d.group, d.q8, d.W, d.S = 2, a.fmt, a.sfmt, a.group, a.q8, a.W, a.S
+        d.bias = lin.bias32.data_ptr() if lin.bias32 is not None else None
+        return d
+    if lin.dtype != torch.float32 or (lin.b is not None and lin.b.dtype != torch.float32):
+        return None
+    if lin.kept:
+        d.kind, d.W = 1, lin.w.data_ptr()
+    elif lin.wt is not None and lin.wt.dtype == torch.float32 and lin.wt.is_contiguous() and lin.wt.device.type == "cpu":
+        d.kind, d.W = 0, lin.wt.data_ptr()
+    else:
+        return None
+    d.bias = lin.b.data_ptr() if lin.b is not None else None
+    return d
+
+
+class StepBuffers:
+    """Scratch of one decode step, shared by the step's fused layers: sized by the largest layer
+    (``dims``: hidden, qkv width, attention width, heads, experts, top-k, widest projection input),
+    grown with the batch and the context, never shrunk."""
+
+    def __init__(self, dims: tuple) -> None:
+        self.dims = dims
+        self.B = self.n = 0
+        self.args = StepArgs()
+
+    def begin(self, x: torch.Tensor, ctx) -> StepArgs:
+        """Point the step's arguments at this forward: x [B, hidden] (updated in place), the context's
+        slots and rotary angles; (re)allocate the scratch if the step outgrew it."""
+        B, n = x.shape[0], ctx.read.shape[1]
+        if B > self.B or n > self.n:
+            self._alloc(max(B, self.B), max(n, 2 * self.n, 64))
+        a = self.args
+        cos, ssin = ctx.rope_heads
+        a.B, a.n, a.x = B, n, x.data_ptr()
+        a.cos, a.ssin, a.write, a.read, a.pos = (cos.data_ptr(), ssin.data_ptr(), ctx.write.data_ptr(),
+                                                 ctx.read.data_ptr(), ctx.pos.data_ptr())
+        a.nthreads = kernels.threads()
+        self.x, self.Bk = x, B * self.dims[5]
+        self._keep = (cos, ssin)
+        return a
+
+    def _alloc(self, B: int, n: int) -> None:
+        H, qkv, att, heads, E, k, K_max = self.dims
+        self.B, self.n = B, n
+        f = lambda *s: torch.empty(*s)                                       # noqa: E731
+        self.h, self.qkv, self.att, self.tmp = f(B, H), f(B, qkv), f(B, att), f(B, H)
+        self.scores, self.logits, self.wts = f(B * heads * n), f(B, E), f(B, k)
+        self.ids = torch.empty(B, k, dtype=torch.int64)
+        self.xq = torch.empty(B * K_max, dtype=torch.int8)
+        self.xd = torch.empty(B * kernels.lib().tm_q8_ldd(K_max))
+        self.nused = np.zeros(1, np.int64)
+        self.used, self.counts, self.row0, self.rows = (np.zeros(E, np.int64) for _ in range(4))
+        self.tok, self.back = torch.empty(B * k, dtype=torch.int64), torch.empty(B * k, dtype=torch.int64)
+        self.xs, self.ys = f(B * k, H), f(B * k, H)
+        a = self.args
+        for name in ("h", "qkv", "att", "tmp", "scores", "logits", "wts", "ids", "xq", "xd", "tok", "back"):
+            setattr(a, name, getattr(self, name).data_ptr())
+        for name, arr in (("n_used", self.nused), ("used", self.used), ("counts", self.counts), ("row0", self.row0),
+                          ("rows", self.rows)):
+            setattr(a, name, arr.ctypes.data)
+
+
+class FusedDecode:
+    """One layer's decode in two kernel calls. ``index``: the layer's place in the model."""
+
+    def __init__(self, layer, attn: Attention, block: MoEBlock, qkv: LinDesc, o: LinDesc, gate: LinDesc) -> None:
+        self.layer, self.attn, self.block = layer, attn, block
+        self.lib = kernels.lib()
+        cfg = block.cfg
+        L = self.args = LayerArgs()
+        L.H, L.nh, L.nkv, L.hd = cfg.hidden_size, attn.nh, attn.nkv, attn.hd
+        L.rd = attn.rotary_dim or attn.hd
+        L.qk_norm = QK_NORM_CODES[attn.qk_norm]
+        L.E, L.k = cfg.num_experts, cfg.top_k
+        L.router = ROUTER_CODES[cfg.router]
+        L.renorm = int(bool(cfg.norm_topk_prob))
+        L.n_group, L.topk_group = int(cfg.n_group or 1), int(cfg.topk_group or 1)
+        L.eps, L.scale, L.route_scale = attn.eps, attn.hd ** -0.5, float(cfg.routed_scaling_factor)
+        self._keep = [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
+        L.in_norm, L.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
+        if attn.qk_norm == "head":
+            self._keep.append(attn.qk_w.float().contiguous())
+            L.q_norm = self._keep[-1].data_ptr()
+        elif attn.qk_norm == "full":
+            self._keep += [attn.q_norm.float().contiguous(), attn.k_norm.float().contiguous()]
+            L.q_norm, L.k_norm = self._keep[-2].data_ptr(), self._keep[-1].data_ptr()
+        if block.correction is not None:
+            self._keep.append(block.correction.float().reshape(-1).contiguous())
+            L.correction = self._keep[-1].data_ptr()
+        L.qkv, L.o, L.gate = qkv, o, gate
+        self.kernel = block.executor.kernel
+        self.K_max = max(cfg.hidden_size, attn.nh * attn.hd)
+        self._kv = None
+
+    @staticmethod
+    def why_not(layer, device) -> "str | None":
+        """Why ``layer`` cannot decode fused (None: it can)."""
+        if kernels.lib() is None or torch.device(device).type != "cpu":
+            return "host kernels off or not a CPU"
+        attn, block = layer.attn, layer.ffn
+        if type(attn) is not Attention:
+            return f"{type(attn).__name__} attention"
+        if attn.ring_index is not None or attn.sinks is not None or attn.gated:
+            return "sliding-window, sink or gated attention"
+        if attn.qk_norm not in QK_NORM_CODES:
+            return f"q/k norm {attn.qk_norm!r}"
+        if type(block) is not MoEBlock:
+            return f"{type(block).__name__} FFN"
+        cfg = block.cfg
+        if block.latent_down is not None or cfg.router not in ROUTER_CODES or block.executor.kernel is None:
+            return "LatentMoE, its router, or experts without a host kernel"
+        if block.executor.dtype != torch.float32 or layer.input_norm.dtype != torch.float32:
+            return "not float32"
+        if (attn.rotary_dim or attn.hd) > 1024 or cfg.num_experts > 4096 or (cfg.n_group or 1) > 256:
+            return "sizes past the kernel's limits"
+        if cfg.router == "sigmoid_group" and (cfg.n_group or 1) > 1 and cfg.num_experts % cfg.n_group:
+            return "expert groups of unequal size"
+        return None
+
+    @classmethod
+    def build(cls, layer, device) -> "FusedDecode | None":
+        if cls.why_not(layer, device) is not None:
+            return None
+        attn, block = layer.attn, layer.ffn
+        descs = [lin_desc(attn.qkv), lin_desc(attn.o), lin_desc(block.router)]
+        if any(d is None for d in descs):
+            return None
+        return cls(layer, attn, block, *descs)
+
+    def dims(self) -> tuple:
+        L = self.args
+        return (L.H, L.qkv.N, L.o.K, L.nh, L.E, L.k, self.K_max)
+
+    def __call__(self, ctx, bufs: StepBuffers) -> None:
+        """The layer on the step ``bufs.begin`` set up: the residual stream bufs.x updated in place."""
+        L, attn, block = self.args, self.attn, self.block
+        kv = ctx.kv
+        if kv is not self._kv:            # the cache arena this layer reads (fixed once the engine made it)
+            self._kv = kv
+            L.K, L.V = kv.k[attn.kv_index].data_ptr(), kv.v[attn.kv_index].data_ptr()
+        rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(bufs.args))
+        if rc:
+            raise RuntimeError(f"tm_attn_block refused layer {self.layer.index} (code {rc})")
+        x, m, B, Bk = bufs.x, block.moe_idx, bufs.x.shape[0], bufs.Bk
+        h, wts = bufs.h[:B], bufs.wts[:B]                                # h: [B, hidden], post-norm
+        if ctx.record is not None:
+            ctx.record(m, bufs.ids[:B].clone())
+        nu = int(bufs.nused[0])
+        used, counts = bufs.used[:nu].tolist(), bufs.rows[:nu].tolist()
+        fetch = block.store.request(m, used, ctx.step, counts)
+        ex = block.executor
+        if fetch.plan is None and not fetch.pending and max(counts) <= self.kernel.max_rows and not ex.host_worker_on_cpu:
+            t0 = time.perf_counter()
+            self.kernel.run_step([fetch.tensors(e) for e in used], bufs.row0, bufs.rows, bufs.xs.data_ptr(),
+                                 bufs.ys.data_ptr(), Bk, h.data_ptr(), bufs.tok.data_ptr(), bufs.back.data_ptr(),
+                                 wts.data_ptr(), x.data_ptr(), B, L.k)
+            _record_host_share(fetch, used, counts, t0)
+        else:            # the composed block's general path from here: waves, loads in flight, prefill-sized rows
+            off = [0] + np.cumsum(bufs.counts).tolist()
+            ys = ex.run(m, fetch, h[bufs.tok[:Bk]], off)
+            x += weighted_sum(ys, bufs.back[:Bk], wts)
+        if block.shared is not None:
+            sh = block.shared(h)
+            if block.shared_gate is not None:
+                sh = sh * torch.sigmoid(block.shared_gate(h))
+            x += sh
+        if ctx.after_moe is not None:
+            ctx.after_moe(m, used, h)

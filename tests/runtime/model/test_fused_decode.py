@@ -1,0 +1,109 @@
+"""The fused CPU decode (runtime/model/layers/fused.py: a GQA + MoE layer in two kernel calls) against
+the composed layers it replaces (TIERED_MOE_FUSED_DECODE=0) on the same store: the same logits at
+every decode step of a batch of sequences of different lengths, the same expert requests (store hits
+per tier, the recorded routing trace) with every expert resident and with 10% of them on the device
+(misses take the composed block's general path from inside a fused layer), per architecture - and the
+layers each architecture fuses, so the comparison cannot pass on composed layers alone."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import kernels
+from runtime.engine import Engine, SamplingParams
+from runtime.model import Sequence, load_model
+from runtime.model.convert import convert
+from runtime.store import Manifest
+
+from conftest import build_hf
+
+if kernels.lib() is None:
+    pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
+
+# architecture -> the layers that decode fused (the others: a dense MLP layer, or a kind the kernel
+# does not take - attention sinks and sliding windows, ERNIE's router)
+FUSED = {"mixtral": [0, 1, 2], "qwen2_moe": [0, 1, 2], "qwen3_moe": [0, 2], "olmoe": [0, 1, 2], "glm4_moe": [1, 2],
+         "minimax_m2": [0, 1, 2], "gpt_oss": [], "ernie4_5_moe": []}
+SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe"}
+
+
+@pytest.fixture(scope="module", params=[a if a not in SLOW else pytest.param(a, marks=pytest.mark.slow) for a in FUSED])
+def store(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    build_hf(request.param, str(d / "hf"))
+    convert(str(d / "hf"), str(d / "store"))
+    return request.param, str(d / "store")
+
+
+def _load(store_dir, fused: bool, frac: float, monkeypatch):
+    monkeypatch.setenv("TIERED_MOE_FUSED_DECODE", "1" if fused else "0")
+    m = Manifest.read(store_dir)
+    slots = max(4, int(frac * m.num_layers * m.num_experts))
+    return load_model(store_dir, expert_budget=slots * m.blob_stride, policy="lru")
+
+
+def _decode(store_dir, fused, frac, monkeypatch):
+    model, st = _load(store_dir, fused, frac, monkeypatch)
+    try:
+        which = [i for i, f in enumerate(model.fused) if f is not None]
+        seqs = [Sequence() for _ in range(3)]
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 2, 7)]
+        model.forward(seqs, prompts)
+        steps = [model.forward(seqs, [[t] for t in torch.randint(0, 96, (3,), generator=g).tolist()]) for _ in range(6)]
+        return which, torch.stack(steps), dict(st.stats.hits)
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("frac", [1.0, 0.1])
+def test_fused_decode_equals_composed(store, frac, monkeypatch):
+    arch, d = store
+    which, fused, hits = _decode(d, True, frac, monkeypatch)
+    assert which == FUSED[arch], arch
+    _, composed, hits0 = _decode(d, False, frac, monkeypatch)
+    assert (fused - composed).abs().max().item() <= 1e-5 * composed.abs().max().item(), arch
+    assert hits == hits0                                              # the same expert requests, hit for hit
+    if frac < 1:
+        assert hits["device"] < sum(hits.values())                    # misses really took the general path
+
+
+def test_fused_engine_trace_and_tokens_equal_composed(store, monkeypatch):
+    arch, d = store
+    out = {}
+    for fused in (True, False):
+        model, st = _load(d, fused, 0.25, monkeypatch)
+        try:
+            eng = Engine(model, st, max_batch=3, prefill_chunk=4)
+            ids = [eng.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=12, ignore_eos=True)) for n in (6, 3, 9)]
+            eng.run()
+            out[fused] = ([eng.done[i].output for i in ids], eng.trace().ids)
+        finally:
+            st.close()
+    assert out[True][0] == out[False][0], arch
+    assert np.array_equal(out[True][1], out[False][1]), arch
+
+
+def test_cache_bonus_and_other_dtypes_run_composed(store, monkeypatch):
+    """Cache-aware routing changes the router's choice per resident expert: those steps run composed."""
+    arch, d = store
+    if not FUSED[arch]:
+        pytest.skip("no fused layer")
+    model, st = _load(d, True, 1.0, monkeypatch)
+    try:
+        calls = []
+        for f in model.fused:
+            if f is not None:
+                orig = f.__call__
+                f.__class__ = type("Spy", (type(f),), {"__call__": lambda self, *a, _o=orig: (calls.append(1), _o(*a))})
+        s = Sequence()
+        model.forward([s], [[1, 2, 3]])
+        model.cache_bonus = 0.5
+        model.forward([s], [[4]])
+        assert not calls
+        model.cache_bonus = 0.0
+        model.forward([s], [[5]])
+        assert len(calls) == len(FUSED[arch])
+    finally:
+        st.close()
