@@ -28,7 +28,7 @@ enum { F_F32 = 0, F_BF16 = 1, F_F16 = 2, F_MXFP4 = 3, F_INT4 = 4, F_FP8 = 5, F_I
 #ifndef PFD
 #define PFD 8192
 #endif
-#define PF(p) _mm_prefetch((const char *)(p) + PFD, _MM_HINT_T0)
+#define PF(p) _mm_prefetch((const char *)(p) + PFD, _MM_HINT_NTA)
 #define BY_R(R, CALL) switch (R) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
 enum { S_F32 = 0, S_BF16 = 1, S_F16 = 2 };
 enum { P_GATE_W, P_GATE_S, P_UP_W, P_UP_S, P_DOWN_W, P_DOWN_S, P_GU_BIAS, P_DOWN_BIAS, P_N };
