@@ -10,9 +10,11 @@ Candidates run here:
   torch int8pack aten._weight_int8pack_mm (int8 per-channel weights: a yardstick, not one of our formats)
   compile        torch.compile (Inductor's CPU code generation) of dequantize + matmul, int4 experts
   ours           runtime/kernels tm_moe: the stored bytes decoded in registers, one call for the layer
-  ours q8        the same with 8-bit activations (--host-act-quant q8), mxfp4 / int4
-Not run, and why: torchao's other CPU MoE paths (da8w4) and kt-kernel need AVX512 / AMX (this CPU has
-AVX2; kt-kernel also pins an older torch); ggml-python builds ggml from source and one graph per
+  ours q8        the same with 8-bit activations (--host-act-quant q8), mxfp4 / int4 / int8
+  ours avx2      the base (AVX2) build of the kernels, where the CPU runs a wider one: what a CPU
+                 without AVX-512 / VNNI gets
+Not run, and why: torchao's CPU MoE path (da8w4) ships as a C++ extension built against its own torch
+pin; kt-kernel pins an older torch and wants AMX; ggml-python builds ggml from source and one graph per
 call - ggml itself is measured end to end in bench/vs_llama_cpp.py.
 
 Each timed call computes a layer's ``--experts`` experts (drawn from a pool of 64, so weights come from
@@ -38,7 +40,8 @@ from runtime.kernels.moe import HostMoE  # noqa: E402
 from runtime.quant import ExpertCodec, encode_expert, expert_weight_specs, get_format  # noqa: E402
 
 POOL = 64
-FORMATS = [("bf16", {}), ("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"}), ("fp8_e4m3", {"block": (128, 128)})]
+FORMATS = [("bf16", {}), ("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"}),
+           ("int8", {"group": 32, "scale_dtype": "float16"}), ("fp8_e4m3", {"block": (128, 128)})]
 
 
 def pool(fmt, params, H, I):
@@ -90,10 +93,26 @@ def candidates(fmt, specs, blobs, H, I, n_exp, rows):
     y = torch.empty_like(x)
     r0 = [j * rows for j in range(n_exp)]
     out["ours"] = lambda rep: kern.run(pick(rep), r0, [rows] * n_exp, x, y)
-    if fmt in ("mxfp4", "int4"):
+    if fmt in ("mxfp4", "int4", "int8"):
         kq = HostMoE(specs, H, I, H, act_quant="q8")
         out["ours q8"] = lambda rep: kq.run(pick(rep), r0, [rows] * n_exp, x, y)
+    if kernels.isa() != "avx2":          # the base build, loaded beside the wide one for this comparison
+        base = _avx2_kernel(specs, H, I, fmt in ("mxfp4", "int4", "int8"))
+        if base is not None:
+            out["ours avx2" + (" q8" if fmt in ("mxfp4", "int4", "int8") else "")] = \
+                lambda rep: base.run(pick(rep), r0, [rows] * n_exp, x, y)
     return out
+
+
+def _avx2_kernel(specs, H, I, q8: bool):
+    """A HostMoE on the AVX2 build of the kernels (TIERED_MOE_HOST_ISA=avx2), or None."""
+    os.environ["TIERED_MOE_HOST_ISA"] = "avx2"
+    kernels.reset()
+    try:
+        return HostMoE(specs, H, I, H, act_quant="q8" if q8 else "none") if kernels.lib() is not None else None
+    finally:
+        del os.environ["TIERED_MOE_HOST_ISA"]
+        kernels.reset()
 
 
 def torch_int4(blobs, x, H, I, n_exp, rows):
@@ -170,7 +189,8 @@ def main():
     H, I, n = a.hidden, a.inter, a.experts
     lines = ["# Host expert kernels: candidates (issue 18)", "",
              f"`python bench/host_kernels.py --hidden {H} --inter {I} --experts {n} --threads {a.threads}`", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. "
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+             f"kernels built for {kernels.isa()}. "
              f"One expert: hidden {H}, intermediate {I} (SwiGLU: gate, up, down); a call computes {n} experts, one "
              f"token each, drawn from a pool of {POOL} (weights read from memory). Best of {a.reps}.", "",
              "| format | candidate | us per expert | stored GB/s | vs reference |", "|---|---|---|---|---|"]

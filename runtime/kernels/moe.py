@@ -14,9 +14,9 @@ _CODES = {"mxfp4": ("blocks", "scales"), "int4": ("packed", "scale"), "fp8_e4m3"
           "int8": ("weight", "scale")}
 Q8_FORMATS = ("mxfp4", "int4", "int8")   # formats --host-act-quant q8 computes with 8-bit activations
 # Tokens per expert above which the reference path (dequantize or widen into scratch, then one BLAS
-# matmul) beats the kernel's GEMV (prefill; bench/host_kernels.py's second table): about 8-16 for
+# matmul) beats the kernel's GEMV (prefill; bench/host_kernels.py's second table): about 32-64 for
 # bf16 experts, past 64 for quantized ones, whose reference pays a dequantization per call.
-MAX_ROWS = {"dense": 8, "quantized": 64}
+MAX_ROWS = {"dense": 32, "quantized": 64}
 ACT_QUANT = ("none", "q8")
 
 

@@ -82,6 +82,7 @@ class StepBuffers:
     def __init__(self, dims: tuple) -> None:
         self.dims = dims
         self.B = self.n = 0
+        self._views_B = -1
         self.args = StepArgs()
 
     def begin(self, x: torch.Tensor, ctx) -> StepArgs:
@@ -98,6 +99,10 @@ class StepBuffers:
         a.nthreads = kernels.threads()
         self.x, self.Bk = x, B * self.dims[5]
         self._keep = (cos, ssin)
+        if B != self._views_B:             # this batch's rows of the step buffers, as tensors / arrays
+            self._views_B = B
+            self.hB, self.wtsB, self.idsB = self.h[:B], self.wts[:B], self.ids_np[:B]
+            self.tokB, self.backB = self.tok[:self.Bk], self.back[:self.Bk]
         return a
 
     def _alloc(self, B: int, n: int) -> None:
@@ -107,6 +112,8 @@ class StepBuffers:
         self.h, self.qkv, self.att, self.tmp = f(B, H), f(B, qkv), f(B, att), f(B, H)
         self.scores, self.logits, self.wts = f(B * heads * n), f(B, E), f(B, k)
         self.ids = torch.empty(B, k, dtype=torch.int64)
+        self.ids_np = self.ids.numpy()
+        self._views_B = -1
         self.xq = torch.empty(B * K_max, dtype=torch.int8)
         self.xd = torch.empty(B * kernels.lib().tm_q8_ldd(K_max))
         self.nused = np.zeros(1, np.int64)
@@ -203,9 +210,9 @@ class FusedDecode:
         if rc:
             raise RuntimeError(f"tm_attn_block refused layer {self.layer.index} (code {rc})")
         x, m, B, Bk = bufs.x, block.moe_idx, bufs.x.shape[0], bufs.Bk
-        h, wts = bufs.h[:B], bufs.wts[:B]                                # h: [B, hidden], post-norm
+        h, wts = bufs.hB, bufs.wtsB                                      # h: [B, hidden], post-norm
         if ctx.record is not None:
-            ctx.record(m, bufs.ids[:B].clone())
+            ctx.record(m, torch.from_numpy(bufs.idsB.copy()))            # [B, k] expert ids (a copy: the buffer is reused)
         nu = int(bufs.nused[0])
         used, counts = bufs.used[:nu].tolist(), bufs.rows[:nu].tolist()
         fetch = block.store.request(m, used, ctx.step, counts)
@@ -218,8 +225,8 @@ class FusedDecode:
             _record_host_share(fetch, used, counts, t0)
         else:            # the composed block's general path from here: waves, loads in flight, prefill-sized rows
             off = [0] + np.cumsum(bufs.counts).tolist()
-            ys = ex.run(m, fetch, h[bufs.tok[:Bk]], off)
-            x += weighted_sum(ys, bufs.back[:Bk], wts)
+            ys = ex.run(m, fetch, h[bufs.tokB], off)
+            x += weighted_sum(ys, bufs.backB, wts)
         if block.shared is not None:
             sh = block.shared(h)
             if block.shared_gate is not None:
