@@ -3,11 +3,12 @@ a cache folder keyed by the source, the compiler flags and the CPU's features (a
 triton's JIT extensions are), loaded with ctypes.
 
 Why our own C rather than a library (bench/host_kernels.py measures the candidates): torch's CPU
-kernels take float32 or bf16 matrices one matmul at a time (bf16 ~20x slower than float32 on CPUs
-without AVX512-BF16, and int4 only in its own repacked layout, without MXFP4 or FP8), torchao's
-CPU MoE kernels need AVX512 / AMX, kt-kernel pins an older torch, and ggml-python builds one
+kernels take float32 or bf16 matrices one matmul at a time (its bf16 matmul is slower than our bf16
+kernel even on an AVX512-BF16 CPU, and int4 only in its own repacked layout, without MXFP4 or FP8),
+torchao's CPU MoE extension and kt-kernel pin their own torch builds, and ggml-python builds one
 graph per call. What the runtime needs is one call per MoE layer over the experts' stored bytes,
-as they sit in the tier slabs, with the codes decoded in registers: a few hundred lines of C.
+as they sit in the tier slabs, with the codes decoded in registers, and a decode layer in two calls
+(runtime/model/layers/fused.py): about a thousand lines of C.
 
 ``TIERED_MOE_HOST_KERNELS=0`` turns the kernels off (the dequantize-then-matmul reference path
 runs instead); without a compiler, or on a CPU without AVX2 + FMA + F16C, they are off and
@@ -90,17 +91,19 @@ def cache_dir() -> str:
     return os.path.join(base, "tiered-moe", "kernels")
 
 
-def pick_isa(flags: set, want: "str | None" = None) -> tuple:
-    """(name, extra compiler flags) of the widest build this CPU runs, or ``want`` (TIERED_MOE_HOST_ISA)
-    when the CPU has it; a ``want`` the CPU lacks or that is unknown raises ValueError."""
+def pick_isa(flags: set, want: "str | None" = None) -> list:
+    """[(name, extra compiler flags)] of the builds this CPU runs, widest first (the first one that
+    compiles is loaded), or only ``want`` (TIERED_MOE_HOST_ISA); a ``want`` the CPU lacks or that is
+    unknown raises ValueError."""
     names = [n for n, _, _ in ISAS]
     if want and want not in names:
         raise ValueError(f"TIERED_MOE_HOST_ISA={want!r} is not one of {', '.join(names)}")
-    for name, needs, extra in ISAS:
-        if all(f in flags for f in needs) and (not want or want == name):
-            return name, extra
-    raise ValueError(f"TIERED_MOE_HOST_ISA={want}: this CPU lacks "
-                     f"{', '.join(f for f in dict((n, x) for n, x, _ in ISAS)[want] if f not in flags)}")
+    out = [(name, extra) for name, needs, extra in ISAS
+           if all(f in flags for f in needs) and (not want or want == name)]
+    if not out:
+        raise ValueError(f"TIERED_MOE_HOST_ISA={want}: this CPU lacks "
+                         f"{', '.join(f for f in dict((n, x) for n, x, _ in ISAS)[want] if f not in flags)}")
+    return out
 
 
 def _build(cc: str, flags: set, extra: list) -> str:
@@ -139,13 +142,18 @@ def _load():
     if not cc:
         return None, "no C compiler (gcc or cc) on PATH"
     try:
-        isa, extra = pick_isa(flags, os.environ.get("TIERED_MOE_HOST_ISA") or None)
+        builds = pick_isa(flags, os.environ.get("TIERED_MOE_HOST_ISA") or None)
     except ValueError as e:
         return None, str(e)
-    try:
-        lib = ctypes.CDLL(_build(cc, flags, extra))
-    except (OSError, RuntimeError) as e:
-        return None, str(e)
+    errors = []
+    for isa, extra in builds:        # an older compiler without a wide ISA's flags: the next one down
+        try:
+            lib = ctypes.CDLL(_build(cc, flags, extra))
+            break
+        except (OSError, RuntimeError) as e:
+            errors.append(f"{isa}: {e}")
+    else:
+        return None, "\n".join(errors)
     lib.tm_isa.restype = ctypes.c_int
     lib.tm_set_spin_us.argtypes = [ctypes.c_int64]
     lib.tm_set_spin_us(int(os.environ.get("TIERED_MOE_SPIN_US", "2000")))

@@ -237,3 +237,22 @@ def test_dense_quant_needs_a_multiple_of_32_and_names_bad_values():
     assert Linear(w, None, torch.float32, quant="int8").quant == "none"     # 40 inputs: kept as it is
     with pytest.raises(ValueError, match="not one of none, int8, int4"):
         Linear(w, None, torch.float32, quant="q4")
+
+
+def test_a_wide_build_the_compiler_refuses_falls_back_to_the_next(monkeypatch):
+    """An older gcc without -mavx512vnni (or any wide flag): the narrower build loads, the kernels stay on."""
+    if len(ISAS) < 2:
+        pytest.skip("the CPU runs one build only")
+    real = kernels._build
+
+    def build(cc, flags, extra):
+        if extra:
+            raise RuntimeError(f"{cc}: unrecognized command-line option '{extra[-1]}'")
+        return real(cc, flags, extra)
+    monkeypatch.delenv("TIERED_MOE_HOST_ISA")
+    monkeypatch.setattr(kernels, "_build", build)
+    kernels.reset()
+    assert kernels.isa() == "avx2" and kernels.unavailable() is None
+    monkeypatch.setenv("TIERED_MOE_HOST_ISA", ISAS[0])       # asked for by name: no fallback, the reason named
+    kernels.reset()
+    assert kernels.lib() is None and "unrecognized command-line option" in kernels.unavailable()
