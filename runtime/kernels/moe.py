@@ -70,7 +70,7 @@ class HostMoE:
         a.bo, a.bi = int(block[0]), int(block[1])
         bias = by.get("gate_up_bias")
         a.bias_fmt = FMT_CODES[bias.format] if bias is not None else -1
-        a.act = 1 if act == "swiglu_clamp" else 0
+        a.act = {"swiglu": 0, "swiglu_clamp": 1, "silu_clamp": 2}[act]
         a.limit, a.alpha = float(limit or 0.0), float(alpha or 0.0)
         a.H_in, a.I, a.H_out = int(H_in), int(I), int(H_out)
         if w.format in _CODES:

@@ -39,7 +39,7 @@ typedef struct {
     int32_t group;        /* int4 elements per scale (a multiple of 32); mxfp4: 32 */
     int32_t bo, bi;       /* fp8 scale tile (rows, cols) */
     int32_t bias_fmt;     /* -1: no biases, else F_F32 / F_BF16 / F_F16 */
-    int32_t act;          /* 0: silu(gate) * up; 1: gpt-oss clamped SwiGLU */
+    int32_t act;          /* 0: silu(gate) * up; 1: gpt-oss clamped SwiGLU; 2: silu(min(gate, limit)) * clamp(up, +-limit) */
     float limit, alpha;   /* act 1 */
     int32_t H_in, I, H_out;
     int32_t n_exp, nthreads;
@@ -853,6 +853,12 @@ static void swiglu_row(const tm_moe_t *a, float *h, const void *bias) {
             _mm256_storeu_ps(g + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
         }
         for (; j < I; j++) g[j] = g[j] * sigmoid1(g[j]) * u[j];
+    } else if (a->act == 2) {     /* DeepSeek-V4 */
+        for (; j < I; j++) {
+            float gv = g[j] < a->limit ? g[j] : a->limit;
+            float uv = u[j] < -a->limit ? -a->limit : (u[j] > a->limit ? a->limit : u[j]);
+            g[j] = gv * sigmoid1(gv) * uv;
+        }
     } else {
         for (; j < I; j++) {
             float gv = g[j] < a->limit ? g[j] : a->limit;

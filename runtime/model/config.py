@@ -11,7 +11,8 @@ from .layers.router import ROUTERS
 
 SUPPORTED = tuple(ARCHITECTURES)
 LAYER_KINDS = ("full_attention", "linear_attention")   # what a layer's token mixer is (config.json layer_types)
-LINEAR_KINDS = ("kda", "gated_deltanet")   # Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5)
+LINEAR_KINDS = ("kda", "gated_deltanet")
+V4_KINDS = ("sliding", "csa", "hca")       # DeepSeek-V4 layer kinds (config.json layer_types: see arch/deepseek_v4.py)   # Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5)
 
 
 @dataclass
@@ -84,9 +85,29 @@ class MoEConfig:
     o_bias: bool = False
     router_bias: bool = False
     expert_bias: bool = False
-    expert_act: str = "silu"           # silu (SwiGLU) | swiglu_clamp (gpt-oss)
+    expert_act: str = "silu"           # silu (SwiGLU) | swiglu_clamp (gpt-oss) | silu_clamp (DeepSeek-V4: gate <= limit, |up| <= limit)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    # DeepSeek-V4 (attention = "v4"): each layer's kind - sliding (a window only), csa (the window + an
+    # entry per compress_rates["csa"] tokens, of which an indexer picks index_topk per query) or hca (the
+    # window + an entry per compress_rates["hca"] tokens) -, a shared K=V head of head_dim with RoPE on its
+    # last qk_rope_head_dim channels (θ = rope_theta for sliding layers, compress_rope_theta + its scaling
+    # for the others), attention sinks, a grouped low-rank output projection (o_groups x o_lora_rank),
+    # hyper-connections (hc_mult residual streams), and MoE layers routed by a token -> experts table
+    # (hash_layers) or sqrt(softplus) scores.
+    v4_kinds: list = field(default_factory=list)
+    compress_rates: dict = field(default_factory=dict)
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    compress_rope_theta: float = 0.0
+    compress_rope_scaling: dict = field(default_factory=dict)
+    hc_mult: int = 0                   # > 0: hyper-connections with this many residual streams (runtime/model/hyper.py)
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    hash_layers: list = field(default_factory=list)   # MoE layers whose experts come from a token-id table (tid2eid)
     eos_token_ids: list = field(default_factory=list)
     bos_token_id: "int | None" = None
     source: str = "<memory>"
@@ -104,7 +125,7 @@ class MoEConfig:
             raise ValueError(f"{src}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if self.top_k > self.num_experts:
             raise ValueError(f"{src}: num_experts_per_tok {self.top_k} exceeds the {self.num_experts} experts")
-        if self.expert_act not in ("silu", "swiglu_clamp"):
+        if self.expert_act not in ("silu", "swiglu_clamp", "silu_clamp"):
             raise ValueError(f"{src}: unknown expert activation {self.expert_act!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"{src}: unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
@@ -129,6 +150,40 @@ class MoEConfig:
                              f"convolution kernel of at least 2, got {self.linear_num_heads} / {self.linear_head_dim} / "
                              f"{self.linear_conv_kernel}")
 
+        if self.attention == "v4":
+            self._check_v4()
+
+    def _check_v4(self) -> None:
+        src = self.source
+        if len(self.v4_kinds) != self.num_layers or any(k not in V4_KINDS for k in self.v4_kinds):
+            raise ValueError(f"{src}: DeepSeek-V4 needs one of {', '.join(V4_KINDS)} per layer, got {self.v4_kinds!r}")
+        for kind in set(self.v4_kinds) - {"sliding"}:
+            r = self.compress_rates.get(kind)
+            if not isinstance(r, int) or r < 1:
+                raise ValueError(f"{src}: compress rate of {kind} layers must be a positive integer, got {r!r}")
+        if self.o_groups < 1 or self.num_heads % self.o_groups or self.o_lora_rank < 1:
+            raise ValueError(f"{src}: o_groups {self.o_groups} must divide num_attention_heads {self.num_heads} and "
+                             f"o_lora_rank {self.o_lora_rank} be positive")
+        if not 0 < self.qk_rope_head_dim <= self.head_dim or self.qk_rope_head_dim % 2:
+            raise ValueError(f"{src}: the rotary part {self.qk_rope_head_dim} must be even and within head_dim {self.head_dim}")
+        if self.q_lora_rank < 1 or self.sliding_window < 1:
+            raise ValueError(f"{src}: DeepSeek-V4 needs q_lora_rank and sliding_window, got {self.q_lora_rank} / "
+                             f"{self.sliding_window}")
+        if "csa" in self.v4_kinds and (self.index_n_heads < 1 or self.index_head_dim < 1 or self.index_topk < 1
+                                       or self.index_head_dim < self.qk_rope_head_dim):
+            raise ValueError(f"{src}: CSA layers need index_n_heads, index_head_dim (>= the rotary part) and index_topk")
+        if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
+            raise ValueError(f"{src}: hc_mult and hc_sinkhorn_iters must be positive, got {self.hc_mult} / "
+                             f"{self.hc_sinkhorn_iters}")
+        if any(l not in self.moe_layers for l in self.hash_layers):
+            raise ValueError(f"{src}: hash-routed layers {self.hash_layers} must be MoE layers")
+
+    @property
+    def v4_layers(self) -> list:
+        """DeepSeek-V4 attention layers: each keeps its own window ring, compressed entries and compressor
+        state (layers/v4_attention.py), none of them the paged per-token cache."""
+        return list(range(self.num_layers)) if self.attention == "v4" else []
+
     @property
     def attention_layers(self) -> list:
         """Layers with softmax attention (full, sliding-window or MLA)."""
@@ -143,7 +198,7 @@ class MoEConfig:
     @property
     def paged_layers(self) -> list:
         """Layers whose cache grows with every token: the paged KV cache's."""
-        win = set(self.window_layers)
+        win = set(self.window_layers) | set(self.v4_layers)
         return [i for i in self.attention_layers if i not in win]
 
     @property

@@ -68,7 +68,8 @@ def dense_names(cfg: MoEConfig) -> dict:
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+              "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+              "F8_E8M0": getattr(torch, "float8_e8m0fnu", None)}
 
 
 class Checkpoint:
@@ -79,8 +80,10 @@ class Checkpoint:
     safetensors one: 8-byte little-endian header length, a JSON header of dtype, shape and
     data offsets, then the data."""
 
-    def __init__(self, model_dir: str, lm_prefix: str = "model.", lm_head_name: str = "lm_head.weight") -> None:
+    def __init__(self, model_dir: str, lm_prefix: str = "model.", lm_head_name: str = "lm_head.weight",
+                 aliases=None) -> None:
         self.dir = model_dir
+        self.aliases = aliases          # name -> [candidate stored names] (an architecture's released naming)
         self._headers: dict = {}
         self.lm_prefix = lm_prefix      # multimodal checkpoints store model.* under e.g. model.language_model.
         self.lm_head_name = lm_head_name   # ... and lm_head.weight under e.g. language_model.lm_head.weight
@@ -119,6 +122,13 @@ class Checkpoint:
 
     def stored(self, name: str) -> str:
         """The checkpoint's name for one of ours (``model.layers.0...``)."""
+        if self.aliases is not None:
+            names = self.aliases(name)
+            for i, c in enumerate(names):
+                if c in self.where:
+                    self._style = i             # the naming this checkpoint uses: a missing tensor is named in it
+                    return c
+            return names[getattr(self, "_style", 0)]
         if self.lm_prefix != "model." and name.startswith("model."):
             return self.lm_prefix + name[len("model."):]
         if name == "lm_head.weight":
@@ -181,6 +191,13 @@ class ShippedQuant:
             block = qc.get("weight_block_size")
             if block is None:
                 raise ValueError(f"{source}: fp8 quantization_config without weight_block_size (per-tensor fp8 is not supported)")
+            # DeepSeek-V4: scales as E8M0 bytes (powers of two), and the routed experts in FP4 or FP8
+            self.scale_fmt = qc.get("scale_fmt") or "float"
+            if self.scale_fmt not in ("float", "ue8m0"):
+                raise ValueError(f"{source}: fp8 scale_fmt {self.scale_fmt!r} is not supported (float and ue8m0 are)")
+            self.expert_dtype = qc.get("expert_dtype") or "fp8"
+            if self.expert_dtype not in ("fp8", "fp4"):
+                raise ValueError(f"{source}: expert_dtype {self.expert_dtype!r} is not supported (fp8 and fp4 are)")
             self.fmt = get_format("fp8_e4m3", block=tuple(block))
         elif m == "compressed-tensors":
             if qc.get("format") != "pack-quantized":
@@ -209,6 +226,22 @@ class ShippedQuant:
         return get_format("int4", group=self.group, scale_dtype=name)
 
 
+def _e8m0(t: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes (safetensors F8_E8M0, or uint8) -> their float32 values 2^(byte - 127) (exact)."""
+    b = t.view(torch.uint8).to(torch.int32)
+    return torch.where(b == 255, torch.tensor(float("nan")), torch.exp2((b - 127).float()))
+
+
+def _fp8_scale(ck: "Checkpoint", name: str) -> torch.Tensor:
+    """The scale tiles of fp8 weight ``name``: ``<name>_scale_inv`` (DeepSeek-V3, Qwen) or ``<base>.scale``
+    (DeepSeek-V4's release), float32 or E8M0 -> float32."""
+    for n in (name + "_scale_inv", name[: -len("weight")] + "scale"):
+        if ck.has(n):
+            s = ck.get(n)
+            return _e8m0(s) if s.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) else s.float()
+    raise ValueError(f"{ck.dir}: fp8 tensor {ck.stored(name)!r} has no scale ({name}_scale_inv or {name[:-len('weight')]}scale)")
+
+
 def read_linear(ck: "Checkpoint", name: str, shape: tuple, sq: ShippedQuant):
     """One Linear weight ``name`` ([out, in]) as shipped: a float tensor, or (format, parts)
     for an fp8 (``name`` + ``name_scale_inv``) or int4 (``name_packed`` + ``name_scale``) one."""
@@ -230,9 +263,17 @@ def read_linear(ck: "Checkpoint", name: str, shape: tuple, sq: ShippedQuant):
     if t.dtype == torch.float8_e4m3fn:
         if sq.method != "fp8":
             raise ValueError(f"{ck.dir}: tensor {name!r} is float8_e4m3fn but quantization_config is {sq.method!r}")
-        parts = {"weight": t, "scale_inv": ck.get(name + "_scale_inv")}
+        parts = {"weight": t, "scale_inv": _fp8_scale(ck, name)}
         sq.fmt.check(name, shape, parts)
         return sq.fmt, parts
+    if t.dtype == torch.int8 and sq.method == "fp8" and getattr(sq, "expert_dtype", "fp8") == "fp4":
+        # DeepSeek-V4's FP4 experts: E2M1 pairs in int8 bytes (element 2j in the low nibble of byte j), one
+        # E8M0 scale per 32 of a row - the MXFP4 layout, stored as shipped
+        fmt = get_format("mxfp4")
+        sc = ck.get(name[: -len("weight")] + "scale")
+        parts = {"blocks": t.view(torch.uint8), "scales": sc.view(torch.uint8)}
+        fmt.check(name, shape, parts)
+        return fmt, parts
     if tuple(t.shape) != tuple(shape):
         ck.get(name, shape)   # raises, naming the file
     return None, t
@@ -437,7 +478,7 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
     if quantize is not None and sq.method is not None:
         raise ValueError(f"{model_dir}: the checkpoint is already quantized ({sq.method}); its experts are stored as shipped - "
                          f"drop --quantize (re-quantizing quantized weights would only add error)")
-    ck = Checkpoint(model_dir, cfg.lm_prefix, cfg.lm_head_name)
+    ck = Checkpoint(model_dir, cfg.lm_prefix, cfg.lm_head_name, getattr(module(cfg.model_type), "stored_names", None))
     logical = _expert_reader(ck, cfg, sq)
     probe = logical(cfg.moe_layers[0], 0)
     fmt, shipped, source = _expert_format(probe, sq, quantize, model_dir)

@@ -20,9 +20,11 @@ from .attn_res import BlockAttnRes
 from .config import MoEConfig
 from .layers.attention import Attention
 from .layers.cache import (KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, cache_specs,
-                           kv_bytes_per_token, kv_shape, state_bytes_per_sequence)
+                           kv_block_size, kv_bytes_per_token, kv_shape, state_bytes_per_sequence)
 from .layers.context import ForwardContext, build_context
+from .hyper import HyperConnection, HyperHead
 from .layers.linear import LinearAttentionLayer
+from .layers.v4_attention import CompressedCacheSpec, V4Attention
 from .layers.mla import MLAttention
 from .layers.mlp import DenseMLP
 from .layers.moe_block import ExpertExecutor, MoEBlock
@@ -54,12 +56,16 @@ class DecoderLayer:
     post_norm: torch.Tensor
     attn_query: "torch.Tensor | None" = None
     mlp_query: "torch.Tensor | None" = None
+    attn_hc: "HyperConnection | None" = None      # DeepSeek-V4's hyper-connections around each sublayer
+    ffn_hc: "HyperConnection | None" = None
 
 
 def attention_kind(cfg: MoEConfig, i: int):
     """The attention class of layer ``i``: the one place the config picks it."""
     if i in cfg.linear_layers:
         return LinearAttentionLayer
+    if cfg.attention == "v4":
+        return V4Attention
     return MLAttention if cfg.attention == "mla" else Attention
 
 
@@ -68,6 +74,8 @@ def build_attention(cfg: MoEConfig, i: int, w: dict, index: dict):
     kind = attention_kind(cfg, i)
     if kind is LinearAttentionLayer:
         return kind(cfg, i, w, state_index=index["state"][i])
+    if kind is V4Attention:
+        return kind(cfg, i, w, v4_index=index["v4"][i])
     if kind is Attention and i in index["window"]:
         return kind(cfg, i, w, ring_index=index["window"][i])
     return kind(cfg, i, w, kv_index=index["paged"][i])
@@ -80,6 +88,8 @@ def dense_tensors(cfg: MoEConfig) -> dict:
     out = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
     if cfg.attn_res_block_layers:
         out["model.attn_res.final_query"] = (H,)
+    if cfg.hc_mult:
+        out.update(HyperHead.tensors(cfg))
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_layers):
@@ -87,6 +97,8 @@ def dense_tensors(cfg: MoEConfig) -> dict:
         out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
         if cfg.attn_res_block_layers:
             out.update({p + "attn_res.attn_query": (H,), p + "attn_res.mlp_query": (H,)})
+        if cfg.hc_mult:
+            out.update({**HyperConnection.tensors(cfg, p + "attn_hc."), **HyperConnection.tensors(cfg, p + "ffn_hc.")})
         out.update(attention_kind(cfg, i).tensors(cfg, i))
         if i in cfg.moe_layers:
             out.update(MoEBlock.tensors(cfg, i))
@@ -105,6 +117,7 @@ class MoEModel:
         self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
         self.prefetch_hook = None         # callable(moe_idx, used, hidden) after each MoE layer
         self.tokens_per_thread = 128      # intra-op threads of a forward: one per this many tokens (see forward)
+        self._tokens = None               # token ids of the forward running now [tokens] (hash-routed layers)
         if cfg.norm_offset:   # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight): folded in once here
             for k in list(dense):
                 if k.endswith(("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")) or k == "model.norm.weight":
@@ -125,7 +138,8 @@ class MoEModel:
         # sliding-window layers the rings.
         index = {"paged": {layer: j for j, layer in enumerate(cfg.paged_layers)},
                  "window": {layer: j for j, layer in enumerate(cfg.window_layers)},
-                 "state": {layer: j for j, layer in enumerate(cfg.linear_layers)}}
+                 "state": {layer: j for j, layer in enumerate(cfg.linear_layers)},
+                 "v4": {layer: j for j, layer in enumerate(cfg.v4_layers)}}
         self.layers: list = []
         for i in range(cfg.num_layers):
             pre = layer_prefix(i)
@@ -136,14 +150,17 @@ class MoEModel:
                 ffn = DenseMLP(w, pre + cfg.mlp_prefix)
             q = (take(w, pre + "attn_res.attn_query"), take(w, pre + "attn_res.mlp_query")) if cfg.attn_res_block_layers \
                 else (None, None)
+            hc = (HyperConnection(cfg, w, pre + "attn_hc."), HyperConnection(cfg, w, pre + "ffn_hc.")) if cfg.hc_mult \
+                else (None, None)
             self.layers.append(DecoderLayer(i, attn, ffn, take(w, pre + "input_layernorm.weight"),
-                                            take(w, pre + "post_attention_layernorm.weight"), *q))
+                                            take(w, pre + "post_attention_layernorm.weight"), *q, *hc))
         self.moe_blocks = [self.layers[i].ffn for i in cfg.moe_layers]
         # GQA layers read cos / sin broadcast over heads: built once per forward only when one exists.
         self.gqa = any(isinstance(layer.attn, Attention) for layer in self.layers)
         self.embed = take(w, "model.embed_tokens.weight")
         self.norm = take(w, "model.norm.weight")
         self.final_query = take(w, "model.attn_res.final_query") if cfg.attn_res_block_layers else None
+        self.hc_head = HyperHead(cfg, w) if cfg.hc_mult else None
         # An untied lm_head is a Linear like the attention weights (kept bf16 where that pays).
         self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype, **linear_opts(w, head=True)) \
             if "lm_head.weight" in w else None
@@ -168,8 +185,9 @@ class MoEModel:
 
     def route_preview(self, moe_idx: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ids [tokens, k] that MoE layer ``moe_idx`` routes hidden state x [tokens, hidden] to,
-        by the router code its forward runs (lookahead prefetch predicts with it)."""
-        return self.moe_blocks[moe_idx].route_preview(x)
+        by the router code its forward runs (lookahead prefetch predicts with it; a hash-routed layer's
+        choice is its table's row of each token of the forward running now: exact)."""
+        return self.moe_blocks[moe_idx].route_preview(x, self._tokens)
 
     # -- the KV cache ----------------------------------------------------------------------------
     def kv_shape(self) -> tuple:
@@ -190,10 +208,13 @@ class MoEModel:
         """A sequence's whole cache at ``tokens`` tokens of context."""
         return tokens * self.kv_bytes_per_token() + self.state_bytes_per_sequence()
 
-    def init_kv(self, nbytes: "int | None" = None, block_size: int = 16, max_seqs: "int | None" = None) -> PagedKV:
+    def init_kv(self, nbytes: "int | None" = None, block_size: "int | None" = None,
+                max_seqs: "int | None" = None) -> PagedKV:
         """Preallocate the cache from one budget: ``nbytes`` (else the model's kv_bytes, else room for
         16 sequences of up to 4096 tokens). With linear-attention layers ``max_seqs`` (default 16)
-        state slots come out of it first; the rest is KV blocks of ``block_size`` tokens."""
+        state slots come out of it first; the rest is KV blocks of ``block_size`` tokens (default 16, a
+        multiple of every DeepSeek-V4 compress rate)."""
+        block_size = block_size or kv_block_size(self.cfg)
         per_tok, per_seq = self.kv_bytes_per_token(), self.state_bytes_per_sequence()
         seqs = (max_seqs or 16) if per_seq else 0
         nbytes = nbytes or self.kv_bytes or 16 * (min(self.cfg.max_position_embeddings, 4096) * per_tok + per_seq)
@@ -213,7 +234,8 @@ class MoEModel:
         self.kv = PagedKV(len(self.cfg.paged_layers), h, d, self.dtype, self.device, num_blocks=blocks,
                           block_size=block_size, with_v=v, state=specs[0] if specs else None,
                           state_layers=len(specs), state_slots=seqs, window=wins[0] if wins else None,
-                          window_layers=len(wins))
+                          window_layers=len(wins),
+                          v4=[s for s in self.cache_specs().values() if isinstance(s, CompressedCacheSpec)])
         return self.kv
 
     def release(self, seq: Sequence) -> None:
@@ -257,8 +279,15 @@ class MoEModel:
         ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=self.gqa, device=self.device,
                             step=self.step, cache_bonus=self.cache_bonus, record=self.record,
                             after_moe=self.prefetch_hook)
-        x = self.embed[torch.tensor(flat, device=self.device)]           # x: [tokens, hidden]
-        x = self.layers_attn_res(x, ctx) if self.final_query is not None else self.run_layers(x, ctx)
+        ids = torch.tensor(flat, device=self.device)
+        ctx.tokens = self._tokens = ids
+        x = self.embed[ids]                                              # x: [tokens, hidden]
+        if self.hc_head is not None:
+            x = self.layers_hyper(x, ctx)
+        elif self.final_query is not None:
+            x = self.layers_attn_res(x, ctx)
+        else:
+            x = self.run_layers(x, ctx)
         for s, c in zip(seqs, chunks):
             s.length += len(c)
         # decode: every token is its sequence's last
@@ -286,6 +315,17 @@ class MoEModel:
             if fused:
                 bufs.begin(x, ctx)        # a composed layer made a new x
         return x
+
+    def layers_hyper(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The decoder layers on DeepSeek-V4's hyper-connected residual streams (hyper.py): each sublayer
+        reads a mix of the streams and its output is spread back over them. x: [tokens, hidden]
+        embeddings -> the final hidden state [tokens, hidden]."""
+        eps = self.cfg.rms_norm_eps
+        h = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()   # h: [tokens, streams, hidden]
+        for layer in self.layers:
+            h = layer.attn_hc.mix(h, lambda c: layer.attn(rms_norm(c, layer.input_norm, eps), ctx))
+            h = layer.ffn_hc.mix(h, lambda c: layer.ffn(rms_norm(c, layer.post_norm, eps), ctx))
+        return self.hc_head(h)
 
     def layers_attn_res(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The decoder layers with Block Attention Residuals (attn_res.py): each sublayer reads a

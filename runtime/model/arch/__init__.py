@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "dots1": "dots1",
     "ernie4_5_moe": "ernie4_5_moe",
     "qwen3_vl_moe": "qwen3_vl_moe",       # the multimodal release: its Qwen3-MoE language model (text_config)
+    "deepseek_v4": "deepseek_v4",
 }
 
 

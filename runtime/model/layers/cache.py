@@ -83,13 +83,63 @@ def cache_specs(cfg: MoEConfig) -> dict:
     return {i: attention_kind(cfg, i).cache_spec(cfg, i) for i in range(cfg.num_layers)}
 
 
-def kv_bytes_per_token(cfg: MoEConfig, dtype) -> int:
-    return sum(s.bytes_per_token(dtype) for s in cache_specs(cfg).values() if isinstance(s, TokenCacheSpec))
+def kv_bytes_per_token(cfg: MoEConfig, dtype) -> float:
+    """Bytes a sequence's cache grows by per token: per-token layers' k (and v), DeepSeek-V4's compressed
+    entries (a fraction of a row per token)."""
+    return sum(s.bytes_per_token(dtype) for s in cache_specs(cfg).values() if hasattr(s, "bytes_per_token"))
 
 
 def state_bytes_per_sequence(cfg: MoEConfig, dtype) -> int:
-    """Fixed bytes per sequence: recurrent states and sliding-window rings."""
-    return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg).values() if not isinstance(s, TokenCacheSpec))
+    """Fixed bytes per sequence: recurrent states, sliding-window rings, DeepSeek-V4's rings and
+    compressor state."""
+    return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg).values() if hasattr(s, "bytes_per_sequence"))
+
+
+def kv_block_size(cfg: MoEConfig, default: int = 16) -> int:
+    """Tokens per KV block: ``default``, or a multiple of every DeepSeek-V4 compress rate (its compressed
+    entries live in the blocks, block_size / rate per block)."""
+    b = default
+    for r in (cfg.compress_rates or {}).values():
+        b = math.lcm(b, int(r))
+    return b
+
+
+class V4Arena:
+    """One DeepSeek-V4 layer's cache (layers/v4_attention.py ``CompressedCacheSpec``): per state slot the
+    window ring and the compressor's open window (``state``: name -> [slots, ...]), and the compressed
+    entries (``comp`` [blocks x block_size / rate, dim]; CSA's indexer keys ``icomp``), entry e of a
+    sequence in the block that holds its window's first position."""
+
+    def __init__(self, spec, num_blocks: int, block_size: int, slots: int, dtype, device) -> None:
+        self.spec, self.block_size = spec, block_size
+        self.state = {k: torch.zeros(slots, *shape, dtype=dtype, device=device) for k, shape in spec.state_shapes().items()}
+        self.epb = spec.entries_per_block(block_size)
+        n = num_blocks * self.epb
+        self.comp = torch.zeros(n, spec.dim, dtype=dtype, device=device) if spec.rate else None
+        self.icomp = torch.zeros(n, spec.index_dim, dtype=dtype, device=device) if spec.index_dim else None
+
+    @property
+    def nbytes(self) -> int:
+        ts = list(self.state.values()) + [t for t in (self.comp, self.icomp) if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def _slot(self, seq: Sequence, e: int) -> int:
+        p = e * self.spec.rate
+        return seq.blocks[p // self.block_size] * self.epb + (p % self.block_size) // self.spec.rate
+
+    def rows(self, seq: Sequence, name: str):
+        """(read(count) -> the sequence's first ``count`` rows [count, dim], write(e, row)) of arena
+        ``name`` (comp or icomp); (None, None) where the layer has none."""
+        arena = getattr(self, name)
+        if arena is None:
+            return None, None
+
+        def read(count: int):
+            return arena[[self._slot(seq, e) for e in range(count)]]
+
+        def write(e: int, row) -> None:
+            arena[self._slot(seq, e)] = row
+        return read, write
 
 
 class BlockManager:
@@ -155,16 +205,19 @@ class PagedKV:
 
     def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
                  with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
-                 state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0) -> None:
+                 state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0,
+                 v4: "list | tuple" = ()) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
-        if (state_layers or window_layers) and state_slots < 1:
+        if (state_layers or window_layers or v4) and state_slots < 1:
             raise ValueError("a model with linear-attention or sliding-window layers needs at least one sequence slot")
         self.with_v = with_v
         T = num_blocks * block_size
         self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
         self.v = torch.zeros_like(self.k) if with_v else None
-        self.manager = BlockManager(num_blocks, block_size, state_slots if (state_layers or window_layers) else 0, device)
+        self.manager = BlockManager(num_blocks, block_size, state_slots if (state_layers or window_layers or v4) else 0,
+                                    device)
+        self.v4 = [V4Arena(spec, num_blocks, block_size, state_slots, dtype, device) for spec in v4]
         self.rec = self.conv = self.win_k = self.win_v = None
         if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
             self.rec = torch.zeros(state_layers, state_slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
@@ -180,7 +233,7 @@ class PagedKV:
         for t in (self.rec, self.conv, self.win_k, self.win_v):
             if t is not None:
                 n += t.numel() * t.element_size()
-        return n
+        return n + sum(a.nbytes for a in self.v4)
 
     _MANAGER_VIEW = frozenset(("num_blocks", "block_size", "state_slots", "free_blocks", "free_sequences",
                                "blocks_for", "ensure", "release"))

@@ -34,6 +34,7 @@ class ForwardContext:
     state: "torch.Tensor | None" = None   # decode: each sequence's state slot [B]
     fresh: "torch.Tensor | None" = None   # decode: slots of sequences on their first token (start from zeros)
     masks: dict = field(default_factory=dict)   # masks made once per forward, shared by the layers that use them
+    tokens: "torch.Tensor | None" = None  # token ids of the forward [tokens] (DeepSeek-V4's hash-routed layers)
 
 
 def build_context(seqs: list, chunks: list, kv: PagedKV, rope: RotaryEmbedding, *, rope_heads: bool,

@@ -20,7 +20,7 @@ from ..config import MoEConfig
 from ..convert import correction_bias_name, router_name
 from .context import ForwardContext
 from .mlp import DenseMLP
-from .router import ROUTERS, route
+from .router import ROUTERS, hash_weights, route
 from .dense import Linear
 from .weights import compute_dtype, layer_prefix, take, take_opt, take_raw
 
@@ -55,6 +55,7 @@ class ExpertExecutor:
 
     def __init__(self, cfg: MoEConfig, store, dtype, device, act_quant: str = "none") -> None:
         self.I, self.clamped = cfg.expert_intermediate, cfg.expert_act == "swiglu_clamp"
+        self.silu_limit = cfg.swiglu_limit if cfg.expert_act == "silu_clamp" else 0.0
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.dtype = dtype
         self.codec = ExpertCodec(store.m.weights, dtype, device)
@@ -80,6 +81,8 @@ class ExpertExecutor:
         if self.clamped:   # gpt-oss: clamped SwiGLU with (up + 1)
             g = h[:, :I].clamp(max=self.limit)
             h = (h[:, I:].clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+        elif self.silu_limit:   # DeepSeek-V4: SwiGLU with the gate clamped from above and up to +-limit
+            h = F.silu(h[:, :I].clamp(max=self.silu_limit)) * h[:, I:].clamp(-self.silu_limit, self.silu_limit)
         else:
             h = F.silu(h[:, :I]) * h[:, I:]                              # h: [n, I]
         if out is None or out.dtype != h.dtype:   # e.g. float32 experts of a bf16 model: rounded into out
@@ -197,6 +200,21 @@ class ExpertExecutor:
         return ys if xs.dtype == torch.float32 else ys.to(xs.dtype)
 
 
+def check_hash_table(t: torch.Tensor, cfg: MoEConfig, name: str) -> None:
+    """A token -> experts table [vocab, top_k]: experts in range and distinct per token (a token's k
+    experts are k different ones in routing, traces and replay); else an error naming the tensor."""
+    if tuple(t.shape) != (cfg.vocab_size, cfg.top_k):
+        raise ValueError(f"{cfg.source}: {name} has shape {tuple(t.shape)}, expected ({cfg.vocab_size}, {cfg.top_k})")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.num_experts):
+        raise ValueError(f"{cfg.source}: {name} names experts outside [0, {cfg.num_experts})")
+    s = t.sort(1).values
+    dup = (s[:, 1:] == s[:, :-1]).any(1).nonzero()
+    if len(dup):
+        r = int(dup[0])
+        raise ValueError(f"{cfg.source}: {name} row {r} (token {r}) names expert(s) {t[r].tolist()}: the same expert "
+                         f"twice for one token, which tiered-moe does not route")
+
+
 def weighted_sum(ys: torch.Tensor, back: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
     """The expert outputs ys [T*k, out] (sorted rows) back in (token, slot) order, each token's k summed
     by its weights wts [T, k] (cheaper than index_add_ on CPU) -> [T, out]."""
@@ -220,7 +238,7 @@ def host_kernel(cfg: MoEConfig, weights: list, act_quant: str = "none"):
     why = unsupported(weights, cfg.expert_in, cfg.expert_intermediate)
     if why is not None:
         return None, why
-    act = "swiglu_clamp" if cfg.expert_act == "swiglu_clamp" else "swiglu"
+    act = {"swiglu_clamp": "swiglu_clamp", "silu_clamp": "silu_clamp"}.get(cfg.expert_act, "swiglu")
     H_out = next(w.shape[0] for w in weights if w.name == "down")
     return HostMoE(weights, cfg.expert_in, cfg.expert_intermediate, H_out, act, cfg.swiglu_limit, cfg.swiglu_alpha,
                    act_quant), None
@@ -242,10 +260,16 @@ class MoEBlock:
         dt = compute_dtype(w, rw)
         self.router = Linear(rw, take_opt(w, rn[:-len("weight")] + "bias"), dt)   # gpt-oss: a bias
         self.correction = take_opt(w, correction_bias_name(cfg, i))      # sigmoid routers' selection bias
+        # DeepSeek-V4's hash-routed layers: a token id -> experts table [vocab, top_k] picks the experts
+        self.hash = take_raw(w, layer_prefix(i) + cfg.mlp_prefix + "gate.tid2eid").long() if i in cfg.hash_layers else None
+        if self.hash is not None:
+            check_hash_table(self.hash, cfg, f"{layer_prefix(i) + cfg.mlp_prefix}gate.tid2eid")
         p = layer_prefix(i) + cfg.mlp_prefix
         self.latent_down = take(w, p + "latent_down.weight") if cfg.latent_dim else None
         self.latent_up = take(w, p + "latent_up.weight") if cfg.latent_dim else None
-        self.shared = DenseMLP(w, layer_prefix(i) + cfg.shared_prefix) if cfg.shared_intermediate else None
+        self.shared = DenseMLP(w, layer_prefix(i) + cfg.shared_prefix,
+                               limit=cfg.swiglu_limit if cfg.expert_act == "silu_clamp" else 0.0) \
+            if cfg.shared_intermediate else None
         self.shared_gate = Linear(take_raw(w, layer_prefix(i) + "mlp.shared_expert_gate.weight"), None, dt) \
             if cfg.shared_expert_gate else None
 
@@ -259,7 +283,9 @@ class MoEBlock:
         if cfg.latent_dim:
             out[p + cfg.mlp_prefix + "latent_down.weight"] = (cfg.latent_dim, H)
             out[p + cfg.mlp_prefix + "latent_up.weight"] = (H, cfg.latent_dim)
-        if cfg.router == "sigmoid_group":
+        if i in cfg.hash_layers:
+            out[p + cfg.mlp_prefix + "gate.tid2eid"] = (cfg.vocab_size, cfg.top_k)
+        elif cfg.router in ("sigmoid_group", "sqrtsoftplus"):
             out[correction_bias_name(cfg, i)] = (E,)
         elif cfg.router == "softmax_bias":   # ERNIE 4.5 stores it [1, E] (one group of experts)
             out[correction_bias_name(cfg, i)] = (1, E)
@@ -270,14 +296,20 @@ class MoEBlock:
         return out
 
     # -- stages ----------------------------------------------------------------------------------
-    def route(self, x: torch.Tensor, bonus: "torch.Tensor | None" = None):
-        """x: [tokens, hidden] -> (ids [tokens, k], weights [tokens, k] float32)."""
+    def route(self, x: torch.Tensor, bonus: "torch.Tensor | None" = None, tokens: "torch.Tensor | None" = None):
+        """x: [tokens, hidden] -> (ids [tokens, k], weights [tokens, k] float32). A hash-routed layer takes
+        its experts from the table's rows of ``tokens`` (their ids [tokens]) and ignores the bonus."""
         logits = self.router(x)                                          # logits: [tokens, E]
+        if self.hash is not None:
+            if tokens is None or tokens.shape[0] != x.shape[0]:
+                raise ValueError(f"layer {self.i} is hash-routed: it needs the token id of every row")
+            ids = self.hash[tokens]
+            return ids, hash_weights(logits, ids, self.cfg)
         return route(logits, self.cfg, self.correction, bonus, self.router_fn)
 
-    def route_preview(self, x: torch.Tensor) -> torch.Tensor:
+    def route_preview(self, x: torch.Tensor, tokens: "torch.Tensor | None" = None) -> torch.Tensor:
         """The experts this block would route ``x`` to, by the code its forward runs (lookahead prefetch)."""
-        return self.route(x)[0]
+        return self.route(x, tokens=tokens)[0]
 
     def _bonus(self, ctx: ForwardContext, device) -> "torch.Tensor | None":
         # Cache-aware routing: resident experts look better by cache_bonus (off by default: it
@@ -312,7 +344,7 @@ class MoEBlock:
         """x: [tokens, hidden] -> [tokens, hidden]. Without a context: step 0, no hooks, no bonus."""
         ctx = ctx or _NO_HOOKS
         m = self.moe_idx
-        ids, wts = self.route(x, self._bonus(ctx, x.device))
+        ids, wts = self.route(x, self._bonus(ctx, x.device), ctx.tokens)
         if ctx.record is not None:
             ctx.record(m, ids)
         wts = wts.to(self.executor.dtype)

@@ -33,12 +33,16 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def rope_frequencies(cfg: MoEConfig):
     """Inverse frequencies over head_dim and the factor on cos/sin: default RoPE, or YaRN
     (interpolate low frequencies by `factor`, keep high ones, a linear ramp between)."""
-    dim, base = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
+    return inv_frequencies(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+
+def inv_frequencies(dim: int, base: float, y: dict, max_positions: int):
+    """(inverse frequencies [dim / 2], factor on cos / sin) of RoPE over ``dim`` channels with ``base``;
+    ``y``: {} or YaRN's parameters."""
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    y = cfg.rope_scaling
     if not y:
         return 1.0 / pos_freqs, 1.0
-    factor = y.get("factor") or cfg.max_position_embeddings / y["original_max_position_embeddings"]
+    factor = y.get("factor") or max_positions / y["original_max_position_embeddings"]
     att = y.get("attention_factor")
     if att is None:
         m, m_all = y.get("mscale"), y.get("mscale_all_dim")

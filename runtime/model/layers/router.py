@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from typing import TYPE_CHECKING
 
@@ -77,8 +78,27 @@ def sigmoid_group(lf, cfg, bias, bonus):
     return ids, w
 
 
+def sqrtsoftplus(lf, cfg, bias, bonus):
+    """DeepSeek-V4: scores sqrt(softplus(logit)); top-k of the scores + correction bias; weights the chosen
+    scores renormalised (floor 1e-20), whatever norm_topk_prob says (as the reference does)."""
+    s = F.softplus(lf).sqrt()
+    sel = s + (bias.float() if bias is not None else 0.0) + (bonus if bonus is not None else 0.0)
+    ids = sel.topk(cfg.top_k, dim=-1).indices
+    w = s.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + 1e-20)
+
+
+def hash_weights(logits: torch.Tensor, ids: torch.Tensor, cfg) -> torch.Tensor:
+    """DeepSeek-V4's hash-routed layers: the experts come from the token's row of the table (``ids``
+    [tokens, k]); their weights are sqrtsoftplus's, renormalised and scaled. -> [tokens, k] float32."""
+    w = F.softplus(logits.float()).sqrt().gather(1, ids)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w if cfg.routed_scaling_factor == 1 else w * cfg.routed_scaling_factor
+
+
 # The registry: a router is one function here (MoEConfig.router names it; a MoE block picks it once).
-ROUTERS = {f.__name__: f for f in (softmax_topk, topk_softmax, sigmoid_group, softmax_group, softmax_bias)}
+ROUTERS = {f.__name__: f for f in (softmax_topk, topk_softmax, sigmoid_group, softmax_group, softmax_bias,
+                                   sqrtsoftplus)}
 
 
 def route(logits: torch.Tensor, cfg: "MoEConfig", bias: "torch.Tensor | None" = None,

@@ -128,6 +128,29 @@ ARCHS = {
                          mlp_only_layers=[1], eos_token_id=None, bos_token_id=None, pad_token_id=None),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
                            temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0]))),
+    # DeepSeek-V4: per layer a sliding window (6 tokens) alone or with compressed entries (HCA: one per 4
+    # tokens; CSA: one per 2, its indexer picking 2 of them per query, so the choice matters within the
+    # test's 42 tokens), one shared K=V head with RoPE on its last quarter, attention sinks, the grouped
+    # output projection, hyper-connections over 2 streams, the first MoE layer hash-routed, the others by
+    # sqrt(softplus) scores with a correction bias, a shared expert, clamped SwiGLU.
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=32, head_dim=32,
+        num_key_value_heads=1, q_lora_rank=24, o_groups=2, o_lora_rank=16, sliding_window=6,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], index_n_heads=8, index_head_dim=16, index_topk=2, hc_mult=2,
+        partial_rotary_factor=0.25, swiglu_limit=6.0, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # ... with YaRN on the compressed layers' RoPE (as V4-Flash ships it; its attention factor 1), every layer
+    # compressed, two hash-routed layers.
+    "deepseek_v4_yarn": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=32, head_dim=32,
+        num_key_value_heads=1, q_lora_rank=24, o_groups=4, o_lora_rank=8, sliding_window=5,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe"], index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=3,
+        partial_rotary_factor=0.25, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32, "beta_slow": 1})),
 }
 
 
@@ -208,6 +231,9 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
         for n, p in m.named_parameters():   # ERNIE's is a parameter, on the scale of softmax probabilities
             if n.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn(p.shape) * 0.05)
+        for n, b in m.named_buffers():   # DeepSeek-V4's token -> experts table: distinct experts per token, as shipped
+            if n.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(c.n_routed_experts)[:b.shape[1]] for _ in range(b.shape[0])]))
     m.save_pretrained(out_dir)
     if name in RELEASED_LAYOUT:
         m = released_layout(m, out_dir, RELEASED_LAYOUT[name])
