@@ -44,6 +44,7 @@ EXPERT_GEOMETRY = {
     "deepseek-v2-lite": (2048, 1408),   # config.json: hidden_size 2048, moe_intermediate_size 1408
     "kimi-k3": (3584, 3072),            # latent 3584 (LatentMoE); intermediate as measured in h200-anchors.json
     "deepseek-v3": (7168, 2048),        # config.json: hidden_size 7168, moe_intermediate_size 2048
+    "deepseek-v4-flash": (4096, 2048),  # transformers' DeepseekV4Config defaults (V4-Flash): hidden 4096, moe_intermediate 2048
     "mixtral-8x7b": (4096, 14336),
     "qwen3-30b-a3b": (2048, 768),
     "olmoe-1b-7b": (2048, 1024),

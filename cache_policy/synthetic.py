@@ -21,6 +21,7 @@ GEOMETRIES = {
     # name: (layers, experts, top_k) of the MoE layers
     "kimi-k3": (93, 896, 16),
     "deepseek-v3": (58, 256, 8),
+    "deepseek-v4-flash": (43, 256, 6),
     "deepseek-v2-lite": (26, 64, 6),
     "mixtral-8x7b": (32, 8, 2),
     "qwen3-30b-a3b": (48, 128, 8),

@@ -64,6 +64,7 @@ class Engine:
                                              saving_s=store.cost.prefetch_saving(store.cpu_experts.auto),
                                              preview=model.route_preview)
         self._pred: dict = {}             # MoE layer -> experts predicted for it this step
+        self._hashed = model.hash_moe_layers if hasattr(model, "hash_moe_layers") else set()
         model.record = self._record
         model.prefetch_hook = self._after_moe if self.prefetcher.active else None
         self._step_routing: list = []
@@ -160,8 +161,8 @@ class Engine:
         if m in self._pred:
             ctl.learn(self._pred.pop(m), used)
         nxt = m + 1
-        if nxt >= self.model.cfg.num_moe_layers or nxt < store.cpu_experts.layers:
-            return
+        if nxt >= self.model.cfg.num_moe_layers or nxt < store.cpu_experts.layers or nxt in self._hashed:
+            return                  # (a hash-routed layer's experts were moved exactly at the step's start)
         ctl.observe(m, used, None, self._step_no)
         pred = self._pred[nxt] = ctl.predict(nxt, used, hidden=x)
         pred = ctl.select(pred, store.last_idle_link_s, set(store.resident(nxt)), store.displaced_reuse(nxt))
@@ -202,6 +203,11 @@ class Engine:
     def _run(self, sched: SchedulerOutput):
         self._step_routing = []
         self.model.step = self._step_no
+        if self.prefetcher.active and self._hashed:
+            # DeepSeek-V4's hash-routed layers: their experts follow from the step's tokens (the table's rows),
+            # so they are moved now, exactly, while the first layers run - not predicted
+            for m, experts in self.model.hash_experts([t for c in sched.chunks for t in c]).items():
+                self.store.prefetch(m, experts, self._step_no)
         return self.model.forward([r.seq for r in sched.requests], sched.chunks)
 
     def _file_routing(self, sched: SchedulerOutput) -> list:

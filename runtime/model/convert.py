@@ -472,7 +472,10 @@ def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: 
 def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str | None" = None) -> ConvertReport:
     cfg = MoEConfig.from_hf(model_dir)
     raw_cfg = read_json(os.path.join(model_dir, "config.json"))
-    sq = ShippedQuant(raw_cfg.get("quantization_config"), os.path.join(model_dir, "config.json"))
+    qc = raw_cfg.get("quantization_config")
+    if isinstance(qc, dict) and raw_cfg.get("expert_dtype") and "expert_dtype" not in qc:
+        qc = {**qc, "expert_dtype": raw_cfg["expert_dtype"]}     # DeepSeek-V4 ships it at the top level
+    sq = ShippedQuant(qc, os.path.join(model_dir, "config.json"))
     if quantize is not None and quantize not in quantize_choices():
         raise ValueError(f"--quantize {quantize!r} is not supported; choose one of {', '.join(quantize_choices())}")
     if quantize is not None and sq.method is not None:

@@ -189,6 +189,17 @@ class MoEModel:
         choice is its table's row of each token of the forward running now: exact)."""
         return self.moe_blocks[moe_idx].route_preview(x, self._tokens)
 
+    @property
+    def hash_moe_layers(self) -> set:
+        """MoE layers (their index among the MoE layers) routed by a token -> experts table."""
+        return {b.moe_idx for b in self.moe_blocks if b.hash is not None}
+
+    def hash_experts(self, tokens: list) -> dict:
+        """The experts each hash-routed MoE layer will use for ``tokens`` (ids), known before the forward
+        runs: {MoE layer: sorted experts}."""
+        ids = torch.tensor(tokens, dtype=torch.long)
+        return {b.moe_idx: torch.unique(b.hash[ids]).tolist() for b in self.moe_blocks if b.hash is not None}
+
     # -- the KV cache ----------------------------------------------------------------------------
     def kv_shape(self) -> tuple:
         return kv_shape(self.cfg)

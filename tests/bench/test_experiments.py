@@ -68,6 +68,30 @@ def test_k3_quick(out):
     assert uni["hit_device"] == pytest.approx(uni["device_slots"] / (93 * 896), abs=0.03)
 
 
+def test_deepseek_v4_quick(out):
+    import deepseek_v4
+    deepseek_v4.main(["--quick", "--jobs", "1", "--outdir", str(out)])
+    d = _files(out, "deepseek_v4")
+    kinds = d["layer_kinds"]
+    assert len(kinds) == 43 and kinds[:2] == ["hca", "hca"]
+    # bf16, by hand: per token a 512 entry / 4 + the indexer's 128 / 4 in CSA layers, 512 / 128 in HCA layers;
+    # per sequence a 128-row ring of 512 per layer and the compressors' open windows (kv and gate rows).
+    csa, hca = kinds.count("csa"), kinds.count("hca")
+    per_tok = csa * (512 + 128) * 2 / 4 + hca * 512 * 2 / 128
+    fixed = 43 * 128 * 512 * 2 + hca * 2 * 128 * 512 * 2 + csa * (2 * 4 * 1024 + 2 * 4 * 512) * 2 \
+        + csa * (2 * 4 * 256 + 2 * 4 * 128) * 2
+    for r in d["cache_rows"]:
+        assert r["v4_bytes"] == r["tokens"] * per_tok + fixed
+        assert r["mla_bytes"] == r["tokens"] * 43 * (512 + 64) * 2      # the all-MLA twin
+    assert d["expert_bytes_mxfp4"] >= 3 * 4096 * 2048 * 4.25 / 8
+    for r in d["projection"]:
+        assert r["tokens_per_s"] <= r["all_resident_tokens_per_s"] * (1 + 1e-9)
+        if not r["hybrid"]:            # the cost model sends a miss to the host only where it pays
+            h = next(x for x in d["projection"] if x["hybrid"] and (x["level"], x["batch"], x["device_fraction"]) ==
+                     (r["level"], r["batch"], r["device_fraction"]))
+            assert h["tokens_per_s"] >= r["tokens_per_s"] * 0.97
+
+
 def test_locality_quick(out):
     import exp_locality
     exp_locality.main(["--quick", "--jobs", "1", "--outdir", str(out)])

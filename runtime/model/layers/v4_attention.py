@@ -147,7 +147,7 @@ class Compressor:
             ckv, cg = slots_kv, slots_g
         pooled = (ckv * cg.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)).sum(1)   # [windows, dim]
         pooled = rms(pooled, self.norm, self.eps)
-        pos = torch.arange(nw, dtype=torch.float32) * R + start
+        pos = torch.arange(nw, dtype=torch.float32, device=pooled.device) * R + start
         ang = pos[:, None] * self.inv[None, :]
         pooled = rope_tail(pooled, ang.cos(), ang.sin(), self.rd)
         for j in range(nw):
@@ -170,7 +170,7 @@ class V4Attention:
         self.kv, self.kv_norm = take(w, p + "kv_proj.weight"), take(w, p + "kv_norm.weight")
         self.o_a, self.o_b = take(w, p + "o_a_proj.weight"), take(w, p + "o_b_proj.weight")
         self.sinks = take(w, p + "sinks")
-        self.inv = rope_inv(cfg, self.kind)
+        self.inv = rope_inv(cfg, self.kind).to(self.q_a.device)
         self.comp = self.index = None
         if self.kind != "sliding":
             self.rate = cfg.compress_rates[self.kind]
@@ -216,7 +216,8 @@ class V4Attention:
         compressor); comp_rows / icomp_rows(count) -> the first ``count`` compressed entries / indexer
         keys of the sequence as [count, dim] views, and (e, row) -> writes entry e. Returns [n, hidden]."""
         n, nh, hd, rd, W, eps = x.shape[0], self.nh, self.hd, self.rd, self.W, self.eps
-        pos = torch.arange(p0, p0 + n)
+        dev = x.device
+        pos = torch.arange(p0, p0 + n, device=dev)
         ang = pos.float()[:, None] * self.inv[None, :]
         cos, sin = ang.cos(), ang.sin()                                  # [n, rd / 2]
         q_res = rms(F.linear(x, self.q_a), self.q_a_norm, eps)           # q_res: [n, q_lora]
@@ -225,7 +226,7 @@ class V4Attention:
         kv = rope_tail(rms(F.linear(x, self.kv), self.kv_norm, eps), cos, sin, rd)   # kv: [n, hd]
         # the window: the ring's rows (positions p0 - W .. p0 - 1, those >= 0), then the new ones
         ring = st["ring"]                                                # [W, hd], position t at t % W
-        rpos = torch.arange(W)
+        rpos = torch.arange(W, device=dev)
         held = (p0 - 1) - (p0 - 1 - rpos) % W                            # position in each ring row (< 0: none)
         keys = torch.cat([ring, kv])                                     # [W + n, hd]
         kpos = torch.cat([held, pos])
@@ -235,7 +236,7 @@ class V4Attention:
             self.comp(x, p0, st, "", comp_rows[1])
             T = (p0 + n) // R                                            # entries complete after these tokens
             ent = comp_rows[0](T)                                        # [T, hd]
-            visible = torch.arange(T)[None, :] < ((pos + 1) // R)[:, None]   # [n, T]: the window closed by then
+            visible = torch.arange(T, device=dev)[None, :] < ((pos + 1) // R)[:, None]   # [n, T]: the window closed by then
             if self.index is not None:
                 self.index(x, p0, st, "i", icomp_rows[1])
                 visible = visible & self._indexed(x, q_res, cos, sin, icomp_rows[0](T), visible)
@@ -267,7 +268,7 @@ class V4Attention:
         score = (sc * wts[:, :, None]).sum(1)                            # [n, T]
         score = score.masked_fill(~visible, float("-inf"))
         top = score.topk(min(self.topk, T), dim=-1).indices              # [n, k]
-        pick = torch.zeros(n, T + 1, dtype=torch.bool)
+        pick = torch.zeros(n, T + 1, dtype=torch.bool, device=x.device)
         pick.scatter_(1, torch.where(torch.gather(visible, 1, top), top, T), True)
         return pick[:, :T]
 
