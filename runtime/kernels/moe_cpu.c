@@ -1363,7 +1363,7 @@ static void route_row(const tm_layer_t *L, const float *lg, int64_t *ids, float 
 int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
     const long B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, nq = nh + nkv, ld = (nh + 2 * nkv) * hd;
     const int nt = S->nthreads > 0 ? S->nthreads : 1;
-    if (L->qkv.N != ld || L->o.K != nh * hd || L->rd > 1024 || L->E > 2 * 4096 || (L->router >= 0 && L->k > L->E)
+    if (L->qkv.N != ld || L->o.K != nh * hd || L->rd > 1024 || L->E > 4096 || (L->router >= 0 && L->k > L->E)
         || (L->router == R_SIGMOID_GROUP && L->n_group > 256))
         return -1;
     tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                          /* h: [B, H] */

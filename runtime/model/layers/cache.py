@@ -135,7 +135,10 @@ class V4Arena:
             return None, None
 
         def read(count: int):
-            return arena[[self._slot(seq, e) for e in range(count)]]
+            p = torch.arange(count, device=arena.device) * self.spec.rate           # each entry's first position
+            blocks = torch.as_tensor(seq.blocks[: -(-count * self.spec.rate // self.block_size)] or [0],
+                                     device=arena.device)
+            return arena[blocks[p // self.block_size] * self.epb + (p % self.block_size) // self.spec.rate]
 
         def write(e: int, row) -> None:
             arena[self._slot(seq, e)] = row
