@@ -306,7 +306,8 @@ def _runtime_config(a, max_active="args"):
                              max_active=a.max_active if max_active == "args" else max_active,
                              cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
                              profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "none"),
-                             dense_quant=getattr(a, "dense_quant", "none"))
+                             dense_quant=getattr(a, "dense_quant", "none"),
+                             tensor_parallel=getattr(a, "tensor_parallel", 1))
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -329,10 +330,21 @@ def cmd_generate(a) -> int:
     else:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
     cfg = _runtime_config(a, max_active=None)
-    model, store = cfg.load(progress=sys.stderr.isatty())
+    group = None
+    if cfg.tensor_parallel > 1:          # ranks 1..N-1 start here (or under torchrun: they never return)
+        from .parallel.group import Group
+        group = Group(cfg)
+        try:
+            model, store = group.load(progress=sys.stderr.isatty())
+        except BaseException:
+            group.close()
+            raise
+    else:
+        model, store = cfg.load(progress=sys.stderr.isatty())
     try:
         # generate knows its batch: no more sequences than prompts run at once
-        eng = cfg.engine(model, store, max_batch=len(prompts), max_active=a.max_active)
+        kw = dict(max_batch=len(prompts), max_active=a.max_active)
+        eng = group.make_engine(model, store, **kw) if group is not None else cfg.engine(model, store, **kw)
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 seed=a.seed)
         ids = [eng.add_request(p, params) for p in prompts]
@@ -352,6 +364,8 @@ def cmd_generate(a) -> int:
               file=sys.stderr if not a.json else sys.stdout)
     finally:
         store.close()
+        if group is not None:
+            group.close()
     return 0
 
 

@@ -106,6 +106,11 @@ def _add_hybrid_args(p, live: bool = True) -> None:
 
 def _add_engine_args(p, max_batch: int) -> None:
     p.add_argument("--max-batch", type=int, default=max_batch, help="sequences per step")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="N ranks (processes on torch.distributed: NCCL with a GPU each, else gloo), each holding its "
+                        "slice of every expert (split along the intermediate axis) and of the attention heads; one "
+                        "all-reduce per sublayer. Started by this command, or by torchrun (one process per rank). "
+                        "Budgets are per rank")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per sequence per step")
     _add_threads(p)
     _add_cache_bonus(p)

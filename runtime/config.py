@@ -29,6 +29,7 @@ class RuntimeConfig:
     profile: "str | None" = None         # hardware profile of the cost decisions (default: cpu / h200)
     host_act_quant: str = "none"         # none | q8: 4-bit experts on the CPU dot 8-bit activations (runtime/kernels)
     dense_quant: str = "none"            # none | int8 | int4: non-expert projections quantized at load (layers/dense.py)
+    tensor_parallel: int = 1             # ranks that split every expert and the attention heads (runtime/parallel)
 
     def __post_init__(self) -> None:
         from cache_policy.cost_model import load_profile
@@ -66,9 +67,22 @@ class RuntimeConfig:
         from .model.layers.dense import DENSE_QUANT
         if self.dense_quant not in DENSE_QUANT:
             raise ValueError(f"--dense-quant {self.dense_quant!r}: use {', '.join(DENSE_QUANT)}")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(f"--tensor-parallel must be a positive integer, got {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1:
+            if self.host_budget is not None:
+                raise ValueError("--tensor-parallel needs a host tier that holds every expert (shared by the node's "
+                                 "ranks): drop --host-budget")
+            from .model.config import MoEConfig
+            from .parallel.shard import Shard, plan
+            from .store import Manifest
+            from .parallel.shard import rank_manifest
+            plan(MoEConfig.from_hf(self.model), Shard(0, self.tensor_parallel))   # what cannot split says so now
+            rank_manifest(Manifest.read(self.model), Shard(0, self.tensor_parallel))
 
-    def load(self, progress: bool = False):
-        """The model and its store, as configured: (model, store)."""
+    def load(self, progress: bool = False, rank=None):
+        """The model and its store, as configured: (model, store). ``rank``: this process's place in a
+        tensor-parallel group (runtime/parallel/group.py): its slices."""
         import torch
 
         from .model import load_model
@@ -78,7 +92,7 @@ class RuntimeConfig:
                           kv_cache_bytes=self.kv_cache_budget, host_budget=self.host_budget, policy=self.policy,
                           scope=self.scope, cpu_experts=self.cpu_experts, profile=self.profile,
                           max_batch=self.max_batch, progress=progress, host_act_quant=self.host_act_quant,
-                          dense_quant=self.dense_quant)
+                          dense_quant=self.dense_quant, rank=rank)
 
     def engine(self, model, store, *, max_batch: "int | None" = None, max_active: "int | None" = None,
                keep_records: bool = True):

@@ -92,6 +92,40 @@ class WeightFormat:
     def _hint(self) -> str:
         return ""
 
+    def axes(self, shape: tuple) -> dict:
+        """How each part's dimensions map to the logical [out, in] weight: suffix -> (out axis, logical
+        rows per index, in axis or None, logical columns per index). Tensor parallelism slices a
+        weight through this (``slice_parts``): a part is cut only on whole indices - a scale block
+        or a packed word never straddles two ranks."""
+        raise NotImplementedError
+
+    def slice_parts(self, shape: tuple, parts: dict, rows: "list | None" = None,
+                    cols: "tuple | None" = None) -> dict:
+        """The parts of the sub-weight made of the logical ``rows`` (a list of (a, b) ranges, kept in that
+        order) and ``cols`` ((a, b)) of a ``shape`` weight; ValueError where a range cuts a block."""
+        O = shape[0]
+        I = shape[1] if len(shape) == 2 else None
+        out = {}
+        for suffix, (oa, ou, ia, iu) in self.axes(shape).items():
+            t = parts[suffix]
+            if rows is not None:
+                t = torch.cat([t.narrow(oa, *_cut(a, b, O, ou, f"rows {a}:{b}", self, shape)) for a, b in rows], oa)
+            if cols is not None:
+                if ia is None:
+                    raise ValueError(f"a {tuple(shape)} weight has no input axis to split")
+                t = t.narrow(ia, *_cut(cols[0], cols[1], I, iu, f"columns {cols[0]}:{cols[1]}", self, shape))
+            out[suffix] = t
+        return out
+
+
+def _cut(a: int, b: int, n: int, unit: int, what: str, fmt: "WeightFormat", shape: tuple) -> tuple:
+    """(start, length) in part indices of the logical range a:b of an axis of n with ``unit`` logical
+    elements per index; the range must start on a unit and end on one (or at the axis's end)."""
+    if a % unit or (b % unit and b != n):
+        raise ValueError(f"{fmt.name}{fmt._hint()}: {what} of a {tuple(shape)} weight cut its blocks of {unit} "
+                         f"elements")
+    return a // unit, -(-b // unit) - a // unit
+
 
 class Dense(WeightFormat):
     quantized = False
@@ -110,6 +144,9 @@ class Dense(WeightFormat):
         t = parts["t"]
         out.copy_(t.t() if t.dim() == 2 else t)
         return out
+
+    def axes(self, shape):
+        return {"t": (1, 1, 0, 1) if len(shape) == 2 else (0, 1, None, 1)}
 
 
 def _split_cols(shape: tuple, group: int, what: str) -> None:
@@ -204,6 +241,9 @@ class MXFP4(_Nibbles):
     def codes(self, parts):
         return parts["blocks"]
 
+    def axes(self, shape):
+        return {"blocks": (0, 1, 1, 2), "scales": (0, 1, 1, 32)}
+
     # E8M0 byte -> 2^(s - 127) (s = 0: 2^-127, a float32 subnormal; s = 255: NaN), by table.
     E8M0 = torch.tensor([2.0 ** (i - 127) for i in range(255)] + [float("nan")], dtype=torch.float64).float()
 
@@ -255,6 +295,9 @@ class INT4(_Nibbles):
         O, I = shape
         return [Part("packed", (O, I // 8), torch.int32), Part("scale", (O, I // self.group), SCALE_DTYPES[self.scale_dtype])]
 
+    def axes(self, shape):
+        return {"packed": (0, 1, 1, 8), "scale": (0, 1, 1, self.group)}
+
     def codes(self, parts):
         # The int32 words' bytes in memory order (little-endian): nibble i of a word is element i.
         return parts["packed"].view(torch.uint8)
@@ -297,6 +340,9 @@ class INT8(WeightFormat):
         q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
         return {"weight": q.reshape(O, I).to(torch.int8), "scale": scale}
 
+    def axes(self, shape):
+        return {"weight": (0, 1, 1, 1), "scale": (0, 1, 1, self.group)}
+
     def dequantize(self, parts, out):
         O, I = out.shape
         out.copy_(parts["weight"])
@@ -335,6 +381,9 @@ class FP8(_Lut16):
 
     def codes(self, parts):
         return parts["weight"].view(torch.uint8)
+
+    def axes(self, shape):
+        return {"weight": (0, 1, 1, 1), "scale_inv": (0, self.block[0], 1, self.block[1])}
 
     def _expand(self, s: torch.Tensor, O: int, I: int) -> torch.Tensor:
         bo, bi = self.block

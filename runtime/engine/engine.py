@@ -68,6 +68,9 @@ class Engine:
         model.record = self._record
         model.prefetch_hook = self._after_moe if self.prefetcher.active else None
         self._step_routing: list = []
+        # True under tensor parallelism (runtime/parallel/group.py): an error inside a step is raised, not
+        # turned into failed requests - the other ranks are waiting in a collective this rank left.
+        self.fail_fast = False
         # The KV cache: preallocated blocks (load_model's kv_cache_bytes, else max_batch sequences of
         # 1024 tokens, and at least one sequence of the whole context up to 8192); admission by free
         # blocks, preemption when out. Its memory is fixed from here on.
@@ -185,6 +188,8 @@ class Engine:
         try:
             logits = self._run(sched)
         except Exception as e:  # noqa: BLE001 - one step's failure must not take the engine down
+            if self.fail_fast:
+                raise
             msg = f"{type(e).__name__}: {e}"
             out = [self.scheduler.fail(r, msg) for r in sched.requests]
             for r in sched.requests:
@@ -239,6 +244,26 @@ class Engine:
         while self.has_work():
             self.step()
         return self.done
+
+    def score(self, prompts: list):
+        """Logits of each prompt's last token, [len(prompts), vocab] float32: one forward over new
+        sequences, outside the schedule (their KV blocks are freed after). Experts are requested as in
+        any step (the store counts them); nothing is recorded or sampled."""
+        import torch
+
+        from ..model.layers.cache import Sequence
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("score needs non-empty prompts")
+        seqs = [Sequence() for _ in prompts]
+        record, self.model.record = self.model.record, None
+        try:
+            with torch.inference_mode():
+                return self.model.forward(seqs, [[int(t) for t in p] for p in prompts])
+        finally:
+            self.model.record = record
+            for s in seqs:
+                self.model.release(s)
+            self.store.end_step()
 
     # -- results -------------------------------------------------------------------------------
     def trace(self):

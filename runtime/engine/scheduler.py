@@ -31,6 +31,9 @@ class Scheduler:
         self.waiting: list = []
         self.running: list = []
         self.preemptions = 0
+        # Tensor-parallel ranks (runtime/parallel/group.py): callable(picks) -> rank 0's picks, so every rank
+        # applies the tokens one rank sampled. None: a single process.
+        self.token_sync = None
 
     @property
     def blocks(self) -> BlockManager:
@@ -73,7 +76,7 @@ class Scheduler:
             # KV blocks for this chunk; when none are free, preempt the newest running request
             # (vLLM's recompute: its blocks are freed, it is fed again later) - possibly this one.
             while not self.blocks.ensure(r.seq, r.seq.length + len(chunk)):
-                victim = max(self.running, key=lambda x: x.arrival)
+                victim = max(self.running, key=lambda x: (x.arrival, x.id))
                 self._preempt(victim)
                 if victim in fed:          # already given a chunk this step: take it back
                     j = fed.index(victim)
@@ -157,14 +160,17 @@ class Scheduler:
         """Advance each request by its chunk, sample where its prompt is done, finish on a stop token
         or max_tokens. Returns (outputs, ended requests, requests failed while sampling)."""
         out, ended, failed = [], [], 0
-        for r, c, lg in zip(sched.requests, sched.chunks, logits):
-            if not self._advance(r, len(c)):
+        sampled = [self._advance(r, len(c)) for r, c in zip(sched.requests, sched.chunks)]
+        picks = [self._pick(r, lg) if s else None for r, lg, s in zip(sched.requests, logits, sampled)]
+        if self.token_sync is not None:
+            picks = self.token_sync(picks)
+        for r, s, pick in zip(sched.requests, sampled, picks):
+            if not s:
                 out.append(StepOutput(r.id, None))
                 continue
-            try:
-                tok = sample(lg, r.params, r.gen)
-            except Exception as e:  # noqa: BLE001 - this request alone
-                out.append(self.fail(r, f"{type(e).__name__}: {e}"))
+            tok, err = pick
+            if err is not None:        # this request alone
+                out.append(self.fail(r, err))
                 ended.append(r)
                 failed += 1
                 continue
@@ -182,6 +188,14 @@ class Scheduler:
                 self.blocks.release(r.seq)
                 ended.append(r)
         return out, ended, failed
+
+    @staticmethod
+    def _pick(r: Request, logits) -> tuple:
+        """(token, None) or (None, why sampling failed)."""
+        try:
+            return sample(logits, r.params, r.gen), None
+        except Exception as e:  # noqa: BLE001 - fails this request alone
+            return None, f"{type(e).__name__}: {e}"
 
     @staticmethod
     def _advance(r: Request, n: int) -> bool:

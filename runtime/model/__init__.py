@@ -19,11 +19,16 @@ def compute_dtype_for(dtype: torch.dtype, device) -> torch.dtype:
     return dtype
 
 
+def rank_stride(m, shard) -> int:
+    from ..parallel.shard import rank_manifest
+    return rank_manifest(m, shard).blob_stride
+
+
 def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_budget: "int | None" = None,
                kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "reuse", scope: str = "global",
                device: "str | None" = None, progress: bool = False, dtype=None, cpu_experts="0",
                profile: "str | None" = None, max_batch: int = 1, host_act_quant: str = "none",
-               dense_quant: str = "none"):
+               dense_quant: str = "none", rank=None):
     """A converted store -> (model, store).
 
     ``device_budget``: the whole device tier - dense weights, the KV cache reservation
@@ -36,7 +41,8 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     computed on the CPU take their activations (runtime/kernels/moe.py); ``dense_quant``: none, int8 or
     int4, the non-expert projections quantized at load (runtime/model/layers/dense.py). ``max_batch``: sequences that run at once; a
     model with linear-attention layers reserves their recurrent state on the device (in
-    ``kv_cache_bytes`` when given)."""
+    ``kv_cache_bytes`` when given). ``rank``: a tensor-parallel rank (runtime/parallel/group.py ``Rank``):
+    the model and store hold its slice (runtime/parallel/shard.py), and every budget is the rank's."""
 
     from ..store import ExpertStore, Manifest
     from .convert import load_dense
@@ -54,12 +60,19 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                          f"but config.json describes {cfg.num_moe_layers} x {cfg.num_experts} {want}: "
                          f"a store of another model; convert again")
     dense = load_dense(store_dir, cfg)
+    shard = None
+    if rank is not None and rank.tp > 1:
+        from ..parallel.shard import shard_dense
+        dense = shard_dense(cfg, rank.plan, dense)       # the rank's slice of the checkpoint's tensors
+        cfg, shard = rank.plan.cfg, rank.plan.shard
     dtype = dtype or compute_dtype_for(dense["model.embed_tokens.weight"].dtype,
                                        device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # A rank's expert slots hold its slice of each expert (the whole one without tensor parallelism).
+    stride = m.blob_stride if shard is None else rank_stride(m, shard)
     if device_budget is not None:
         from .moe import state_bytes_per_sequence
         dense_bytes = sum(t.numel() * dtype.itemsize for t in dense.values())
-        need = cfg.top_k * m.blob_stride * (m.num_layers if scope == "layer" else 1)
+        need = cfg.top_k * stride * (m.num_layers if scope == "layer" else 1)
         state = max_batch * state_bytes_per_sequence(cfg, dtype)
         cache = max(kv_cache_bytes, state)     # the KV budget holds the state slots when given
         expert_budget = device_budget - dense_bytes - cache
@@ -72,12 +85,13 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                              f"+ {what} + one layer's top-{cfg.top_k} experts ({need:,} bytes): "
                              f"the minimum is {dense_bytes + cache + need:,} bytes")
     if expert_budget is None:
-        expert_budget = m.num_layers * m.num_experts * m.blob_stride
+        expert_budget = m.num_layers * m.num_experts * stride
     store = ExpertStore(store_dir, device_budget=expert_budget, host_budget=host_budget, policy=policy, scope=scope,
-                        device=device, min_experts_per_layer=cfg.top_k, progress=progress, cpu_experts=cpu_experts,
-                        profile=profile)
+                        device=device or (rank.device if rank is not None else None),
+                        min_experts_per_layer=cfg.top_k, progress=progress, cpu_experts=cpu_experts,
+                        profile=profile, shard=shard, share=rank.share if rank is not None and rank.tp > 1 else None)
     return MoEModel(cfg, dense, store, device=store.device, dtype=dtype, kv_bytes=kv_cache_bytes or None,
-                    host_act_quant=host_act_quant, dense_quant=dense_quant), store
+                    host_act_quant=host_act_quant, dense_quant=dense_quant, tp=rank), store
 
 
 __all__ = ["SUPPORTED", "MoEConfig", "MoEModel", "Sequence", "route", "load_model"]

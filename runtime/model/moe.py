@@ -33,6 +33,7 @@ from .layers.rope import RotaryEmbedding, mla_softmax_scale, rope_frequencies
 from .layers.router import route
 from .layers.dense import Linear
 from .layers.fused import FusedDecode, StepBuffers
+from .layers.parallel import Reduced, Skipped
 from .layers.weights import DenseTensors, layer_prefix, linear_opts, take, take_raw
 
 __all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
@@ -109,8 +110,12 @@ def dense_tensors(cfg: MoEConfig) -> dict:
 
 class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32,
-                 kv_bytes: "int | None" = None, host_act_quant: str = "none", dense_quant: str = "none") -> None:
+                 kv_bytes: "int | None" = None, host_act_quant: str = "none", dense_quant: str = "none",
+                 tp=None) -> None:
+        """``tp``: a tensor-parallel rank (runtime/parallel/group.py ``Rank``): ``cfg`` and ``dense`` are then
+        the rank's (runtime/parallel/shard.py), and its split sublayers are all-reduced."""
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
+        self.tp = tp
         # Set by the engine between steps; read into each forward's ForwardContext.
         self.cache_bonus = 0.0            # cache-aware routing: added to resident experts' router logits
         self.step = 0                     # placement time; the engine advances it once per step
@@ -141,22 +146,31 @@ class MoEModel:
                  "state": {layer: j for j, layer in enumerate(cfg.linear_layers)},
                  "v4": {layer: j for j, layer in enumerate(cfg.v4_layers)}}
         self.layers: list = []
+        moe_blocks, gqa = [], False
         for i in range(cfg.num_layers):
             pre = layer_prefix(i)
             attn = build_attention(cfg, i, w, index)
+            split = tp.plan if tp is not None and tp.plan.shard.world > 1 else None
             if i in self.moe_index:
                 ffn = MoEBlock(cfg, i, self.moe_index[i], w, experts, self.executor)
+                moe_blocks.append(ffn)
+            elif split is not None and split.dense_mlp == "rank0" and split.shard.rank:
+                ffn = Skipped()                  # rank 0 computes this dense MLP alone (layers/parallel.py)
             else:
                 ffn = DenseMLP(w, pre + cfg.mlp_prefix)
+            gqa = gqa or isinstance(attn, Attention)
+            if split is not None:
+                attn = Reduced(attn, tp.all_reduce) if split.attn_split[i] else attn
+                ffn = Reduced(ffn, tp.all_reduce) if split.ffn_split[i] else ffn
             q = (take(w, pre + "attn_res.attn_query"), take(w, pre + "attn_res.mlp_query")) if cfg.attn_res_block_layers \
                 else (None, None)
             hc = (HyperConnection(cfg, w, pre + "attn_hc."), HyperConnection(cfg, w, pre + "ffn_hc.")) if cfg.hc_mult \
                 else (None, None)
             self.layers.append(DecoderLayer(i, attn, ffn, take(w, pre + "input_layernorm.weight"),
                                             take(w, pre + "post_attention_layernorm.weight"), *q, *hc))
-        self.moe_blocks = [self.layers[i].ffn for i in cfg.moe_layers]
+        self.moe_blocks = moe_blocks
         # GQA layers read cos / sin broadcast over heads: built once per forward only when one exists.
-        self.gqa = any(isinstance(layer.attn, Attention) for layer in self.layers)
+        self.gqa = gqa
         self.embed = take(w, "model.embed_tokens.weight")
         self.norm = take(w, "model.norm.weight")
         self.final_query = take(w, "model.attn_res.final_query") if cfg.attn_res_block_layers else None
@@ -167,7 +181,9 @@ class MoEModel:
         self.unused = sorted(w)    # dense tensors of the store no layer reads (none for a supported model)
         # CPU decode: each GQA + MoE layer in two kernel calls where the kernels cover it (layers/fused.py);
         # None for a layer that runs composed. TIERED_MOE_FUSED_DECODE=0 turns it off (tests compare).
-        self.fused = [FusedDecode.build(layer, device) if fused_decode_on() else None for layer in self.layers]
+        # Not under tensor parallelism: a fused layer has no place for the all-reduces.
+        on = fused_decode_on() and (tp is None or tp.plan.shard.world == 1)
+        self.fused = [FusedDecode.build(layer, device) if on else None for layer in self.layers]
         dims = [f.dims() for f in self.fused if f is not None]
         self._step_bufs = StepBuffers(tuple(max(d[i] for d in dims) for i in range(7))) if dims else None
 

@@ -49,9 +49,12 @@ class Slab:
     """``n`` fixed slots of ``stride`` bytes in one allocation; slot addresses 4 KiB aligned on
     the host so O_DIRECT reads can land in them."""
 
-    def __init__(self, n: int, stride: int, device: str, pin: bool) -> None:
+    def __init__(self, n: int, stride: int, device: str, pin: bool, buffer: "torch.Tensor | None" = None) -> None:
+        """``buffer``: bytes to lay the slots over (a shared host tier, runtime/store/shared.py), else a new
+        allocation."""
         pad = ALIGN if device == "cpu" else 0
-        raw = torch.empty(n * stride + pad, dtype=torch.uint8, device=device, pin_memory=pin)
+        raw = buffer if buffer is not None else torch.empty(n * stride + pad, dtype=torch.uint8, device=device,
+                                                            pin_memory=pin)
         off = (-raw.data_ptr()) % ALIGN if pad else 0
         self.data = raw[off:off + n * stride].view(n, stride)   # data: [slots, stride] bytes
         self.free = list(range(n - 1, -1, -1))
@@ -195,12 +198,25 @@ class ExpertStore:
                  policy: str = "reuse", scope: str = "global", device: "str | None" = None,
                  min_experts_per_layer: int = 1, threads: int = 4, verify: bool = True,
                  max_inflight_prefetch: int = 64, direct_io: bool = True, progress: bool = False,
-                 cpu_experts: "str | int | CpuExperts" = "0", profile: "str | None" = None) -> None:
+                 cpu_experts: "str | int | CpuExperts" = "0", profile: "str | None" = None,
+                 shard=None, share=None) -> None:
         """``cpu_experts``: 0, N (every expert of the first N MoE layers computed on the host) or
         auto (the cost model decides per expert per step; see cache_policy.cost_model.HybridCost).
         ``profile``: the hardware profile of those decisions and of prefetch's cost rule (default:
-        cpu without CUDA, h200 with it)."""
-        self.m = m = Manifest.read(store_dir)
+        cpu without CUDA, h200 with it).
+
+        Tensor parallelism: ``shard`` (runtime/parallel/shard.py ``Shard``) makes this one rank's store:
+        its device slots hold the rank's slice of each expert (``m`` describes the slice; ``full_m`` the
+        stored expert), its host tier every expert's slices of every rank, rank-major, laid over the
+        node's shared segment when ``share`` (a ``HostShare``: runtime/store/shared.py) says how to join
+        it. Placement runs the same on every rank from the same routing (``deterministic``): no
+        decision depends on timing, so the ranks' residency never diverges."""
+        self.full_m = Manifest.read(store_dir)
+        from ..parallel.shard import Shard, rank_manifest
+        self.shard = shard or Shard()
+        N = self.shard.world
+        self.m = m = self.full_m if N == 1 else rank_manifest(self.full_m, self.shard)
+        self.deterministic = N > 1
         check_policy_name(policy, live=True)
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
@@ -230,6 +246,10 @@ class ExpertStore:
                                  f"{dev_slots * stride * (L if scope == 'layer' else 1):,} bytes")
             if host_slots >= (E if scope == "layer" else L * E):
                 host_slots = None
+        if N > 1 and host_slots is not None:
+            raise ValueError(f"tensor parallelism needs a host tier that holds every expert ({L * E * self.full_m.blob_stride:,} "
+                             f"bytes shared by the node's ranks); a host budget of {int(host_budget):,} bytes holds "
+                             f"{host_slots} - drop --host-budget (a disk tier under tensor-parallel ranks is not built yet)")
         factory = POLICIES[policy]
         self.placement = TieredPlacement(num_layers=L, num_experts=E, scope=scope, device_slots=dev_slots,
                                          host_slots=host_slots, policy_factory=factory,
@@ -239,8 +259,26 @@ class ExpertStore:
         n_dev = dev_slots * (L if scope == "layer" else 1)
         n_host = L * E if host_slots is None else host_slots * (L if scope == "layer" else 1)
         self.dev = Slab(n_dev, stride, self.device, pin=False)
-        self.host = Slab(n_host, stride, "cpu", pin=cuda)
-        self.disk = DiskTier(store_dir, m, direct=direct_io)
+        # The host tier: whole blobs; under tensor parallelism each slot holds every rank's slice, rank-major.
+        self.host_stride = stride * N
+        self.segment = None
+        if share is not None:
+            from .shared import SharedSegment
+            nbytes = n_host * self.host_stride
+            if share.create:
+                self.segment = SharedSegment(share.path, nbytes, create=True)
+            share.barrier()
+            if not share.create:
+                self.segment = SharedSegment(share.path, nbytes, create=False)
+            share.barrier()                 # every rank has mapped it: the name can go
+            if share.create:
+                self.segment.unlink()
+            if cuda:
+                self.segment.pin()
+        self.share = share
+        self.host = Slab(n_host, self.host_stride, "cpu", pin=cuda and share is None,
+                         buffer=self.segment.tensor if self.segment is not None else None)
+        self.disk = DiskTier(store_dir, self.full_m, direct=direct_io)
         self._slot_views: dict = {}
         self.verify = verify
         self.stats = StoreStats(layer_hits=[[0, 0, 0] for _ in range(L)])
@@ -259,31 +297,63 @@ class ExpertStore:
 
     # -- bytes ---------------------------------------------------------------------------------
     def _load_all_to_host(self, progress: bool) -> None:
-        m = self.m
+        m = self.full_m
         keys = [l * m.num_experts + e for l in range(m.num_layers) for e in range(m.num_experts)]
+        for k in keys:                      # slots in key order: the same on every rank of a group
+            self.host.alloc(k)
+        share = self.share
+        mine = keys if share is None else keys[share.rank::share.ranks]   # the disk read once per node
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(keys), desc="loading experts into host memory", unit="expert")
-        futs = []
-        for k in keys:
-            s = self.host.alloc(k)
-            futs.append(self.demand_pool.submit(self.disk.read_into, k // m.num_experts, k % m.num_experts,
-                                                self.host.data[s].numpy(), self.verify))
+            bar = tqdm(total=len(mine), desc="loading experts into host memory", unit="expert")
+        load = self._read_whole if self.shard.world == 1 else self._read_sliced
+        futs = [self.demand_pool.submit(load, k) for k in mine]
         for f in futs:
             f.result()
             if bar:
                 bar.update()
         if bar:
             bar.close()
-        self.stats.bytes["disk_to_host"] += len(keys) * m.blob_bytes
+        self.stats.bytes["disk_to_host"] += len(mine) * m.blob_bytes
+        if share is not None:
+            share.barrier()                 # every rank's part is in: the tier is whole
+
+    def _read_whole(self, key: int) -> None:
+        E = self.m.num_experts
+        self.disk.read_into(key // E, key % E, self.host.data[self.host.slot_of[key]].numpy(), self.verify)
+
+    def _read_sliced(self, key: int) -> None:
+        """Tensor parallelism: one whole blob from disk, cut into every rank's slice, each written to its
+        place in the expert's host slot (rank j's at j x the rank stride)."""
+        from ..parallel.shard import Shard, slice_expert
+        full, E, S = self.full_m, self.m.num_experts, self.m.blob_stride
+        raw = torch.empty(full.blob_stride + ALIGN, dtype=torch.uint8)
+        off = (-raw.data_ptr()) % ALIGN
+        buf = raw[off:off + full.blob_stride]                            # O_DIRECT wants an aligned buffer
+        self.disk.read_into(key // E, key % E, buf.numpy(), self.verify)
+        views = {ts.name: buf[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
+                 for ts in full.tensors}
+        slot = self.host.data[self.host.slot_of[key]]
+        inter = next(w.shape[1] for w in full.weights if w.name == "down")
+        for j in range(self.shard.world):
+            part = slice_expert(full.weights, views, inter, Shard(j, self.shard.world))
+            base = j * S
+            for ts in self.m.tensors:
+                dst = slot[base + ts.offset:base + ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
+                dst.copy_(part[ts.name])
+
+    def _host_blob(self, slot: int) -> torch.Tensor:
+        """This rank's bytes of a host slot (the whole slot without tensor parallelism)."""
+        S = self.m.blob_stride
+        return self.host.data[slot][self.shard.rank * S:(self.shard.rank + 1) * S]
 
     def slot_views(self, key: int, host: bool = False) -> dict:
         slab = self.host if host else self.dev
         slot = slab.slot_of[key]
         v = self._slot_views.get((host, slot))
         if v is None:   # views of a slot stay valid while its bytes change: build them once
-            blob = slab.data[slot]
+            blob = self._host_blob(slot) if host else slab.data[slot]
             v = self._slot_views[(host, slot)] = {ts.name: blob[ts.offset:ts.offset + ts.nbytes].view(_DTYPES[ts.dtype]).view(ts.shape)
                                           for ts in self.m.tensors}
         return v
@@ -294,7 +364,7 @@ class ExpertStore:
         the slot's previous expert, so the copy waits for it."""
         E = self.m.num_experts
         hslot = self.host.slot_of[key]
-        if from_disk:
+        if from_disk:                       # (never under tensor parallelism: the host tier holds every expert)
             dst_host = self.host.data[hslot].numpy()
             try:
                 self.disk.read_into(key // E, key % E, dst_host, self.verify)
@@ -306,10 +376,10 @@ class ExpertStore:
             if after is not None:
                 self.copy_stream.wait_event(after)
             with torch.cuda.stream(self.copy_stream):
-                dst.copy_(self.host.data[hslot], non_blocking=True)
+                dst.copy_(self._host_blob(hslot), non_blocking=True)
             self.copy_stream.synchronize()
         else:
-            dst.copy_(self.host.data[hslot])
+            dst.copy_(self._host_blob(hslot))
 
     def carry_out(self, d: Moves, pool: ThreadPoolExecutor) -> dict:
         """Carry out a placement decision: free evicted slots, start the loads."""
@@ -435,7 +505,9 @@ class ExpertStore:
         E = self.m.num_experts
         for k in [k for k in self._prefetching if k // E == layer]:
             fut = self._prefetching.pop(k)
-            if k in needed or not fut.cancel():
+            # Under tensor parallelism a prefetch is never cancelled: whether its copy has started is timing,
+            # and placement must follow the same decisions on every rank.
+            if k in needed or self.deterministic or not fut.cancel():
                 continue
             self.inflight.pop(k, None)
             self.placement.cancel_prefetch(k)
@@ -447,7 +519,10 @@ class ExpertStore:
     def prefetch(self, layer: int, experts, t: int, protect: "list[int] | None" = None) -> int:
         """Bring predicted experts of ``layer`` ahead of need; bounded, never blocks demand loads.
         ``protect``: experts of the layer being computed (never evicted for a prefetch)."""
-        if len([f for f in self.inflight.values() if not f.done()]) >= self.max_inflight_prefetch:
+        # Prefetches in flight: under tensor parallelism those issued and not yet settled by their layer's
+        # request (a count every rank agrees on), else those whose copy has not finished.
+        busy = len(self._prefetching) if self.deterministic else len([f for f in self.inflight.values() if not f.done()])
+        if busy >= self.max_inflight_prefetch:
             return 0
         E = self.m.num_experts
         keys = [layer * E + int(e) for e in experts]
@@ -509,7 +584,7 @@ class ExpertStore:
 
     def resident_bytes(self) -> dict:
         return {"device": (self.dev.data.shape[0] - len(self.dev.free)) * self.m.blob_stride,
-                "host": (self.host.data.shape[0] - len(self.host.free)) * self.m.blob_stride}
+                "host": (self.host.data.shape[0] - len(self.host.free)) * self.host_stride}
 
     def capacity_bytes(self) -> dict:
         return {"device": self.dev.nbytes, "host": self.host.nbytes}
@@ -524,8 +599,8 @@ class ExpertStore:
                              "wasted_bytes": pl.prefetch_wasted * self.m.blob_bytes, "cancelled": st.prefetch_cancelled},
                 "computed": dict(st.computed), "host_compute_seconds": st.host_compute_seconds,
                 "resident_bytes": res, "capacity_bytes": cap,
-                "resident_experts": {k: v // stride for k, v in res.items()},
-                "capacity_experts": {k: v // stride for k, v in cap.items()},
+                "resident_experts": {"device": res["device"] // stride, "host": res["host"] // self.host_stride},
+                "capacity_experts": {"device": cap["device"] // stride, "host": cap["host"] // self.host_stride},
                 "stall_seconds": st.stall_seconds, "waves": st.waves, "reread": st.reread, "load_errors": st.load_errors}
 
     def close(self) -> None:
