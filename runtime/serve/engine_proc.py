@@ -54,16 +54,37 @@ def _engine_stats(eng) -> dict:
             "kv_blocks": {"used": kv.num_blocks - kv.free_blocks, "free": kv.free_blocks, "bytes": kv.nbytes}}
 
 
+def _rank_stats(eng, stats: dict) -> dict:
+    """Under tensor parallelism: the store figures that are per rank, from every rank (``ranks``); the
+    others (hits, evictions, ...) are the same on every rank, and ``stats``' own are rank 0's."""
+    snaps = eng.gather("snapshot")
+    return {**stats, "ranks": [{"bytes": s["bytes"], "resident_bytes": s["resident_bytes"],
+                                "capacity_bytes": s["capacity_bytes"], "stall_seconds": s["stall_seconds"]}
+                               for s in snaps]}
+
+
 def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     import zmq
     from ..engine import FinishReason, SamplingParams
-    model, store = cfg.load()          # sets the configured torch threads
+    group = None
+    if cfg.tensor_parallel > 1:        # this process is rank 0; the others start here and follow its commands
+        from ..parallel.group import Group
+        group = Group(cfg)
+        try:
+            model, store = group.load()
+        except BaseException:
+            group.close()
+            raise
+    else:
+        model, store = cfg.load()      # sets the configured torch threads
     try:
-        eng = cfg.engine(model, store, keep_records=False)
+        eng = group.make_engine(model, store, keep_records=False) if group is not None else \
+            cfg.engine(model, store, keep_records=False)
+        per_rank = (lambda st: _rank_stats(eng, st)) if group is not None else (lambda st: st)
         mc = model.cfg
         push.send(encode("ready", model=os.path.basename(os.path.abspath(cfg.model)), vocab_size=mc.vocab_size,
                          max_context=eng.max_context, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,
-                         pid=os.getpid(), stats={**store.snapshot(), **_engine_stats(eng)}))
+                         pid=os.getpid(), stats=per_rank({**store.snapshot(), **_engine_stats(eng)})))
         iid_of: dict = {}   # front-end request id -> engine id
         rid_of: dict = {}
         last_stats = 0.0
@@ -116,11 +137,17 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
                           file=sys.stderr)
             now = time.monotonic()
             if outputs or rejected or failed or record or now - last_stats > 1.0:
-                last_stats = now
                 stats = {**store.snapshot(), **_engine_stats(eng)}
+                if now - last_stats > 1.0:       # the other ranks' figures: at most once a second (a collective)
+                    stats = per_rank(stats)
+                last_stats = now
                 push.send(encode("step", outputs=outputs, rejected=rejected, failed=failed, record=record, stats=stats))
+            elif group is not None:
+                eng.idle()                       # the other ranks wait for the next command: keep them posted
     finally:
         store.close()
+        if group is not None:
+            group.close()
 
 
 if __name__ == "__main__":

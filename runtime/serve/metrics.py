@@ -5,7 +5,9 @@ Expert-cache counters live in the engine process; each ``step`` message carries 
 values and the front-end exposes them through a custom collector (what an exporter does), so a
 counter never goes backwards and never double counts. Histograms of per-step values and request
 latencies are observed here as messages arrive. Labels are bounded: ``tier`` (device, host, disk),
-``layer`` (the model's MoE layers), ``link`` (disk_to_host, host_to_device), ``finish_reason``.
+``layer`` (the model's MoE layers), ``link`` (disk_to_host, host_to_device), ``finish_reason``, and under
+tensor parallelism ``rank`` (0 .. ranks - 1) on the figures that differ by rank (bytes moved, stall,
+resident bytes: ``tiered_moe_rank_*``); the unlabelled ones are rank 0's.
 
 A device hit-rate panel in PromQL:
   sum(rate(tiered_moe_expert_hits_total{tier="device"}[1m]))
@@ -33,6 +35,8 @@ class _StoreCollector:
 
     def update(self, stats: dict) -> None:
         with self.lock:
+            if "ranks" not in stats and self.stats is not None and "ranks" in self.stats:
+                stats = {**stats, "ranks": self.stats["ranks"]}   # per-rank figures come at most once a second
             self.stats = stats
 
     def collect(self):
@@ -90,6 +94,22 @@ class _StoreCollector:
                                       value=s["prefetch"].get("cancelled", 0))
         yield CounterMetricFamily(P + "expert_load_errors", "Expert loads that failed (corrupt twice): the requests of "
                                   "that step failed", value=s.get("load_errors", 0))
+        if s.get("ranks"):      # tensor parallelism: what each rank moves and holds (its slices); label values 0..N-1
+            rb = CounterMetricFamily(P + "rank_transfer_bytes", "Expert bytes moved between tiers by one tensor-parallel "
+                                     "rank (its slices)", labels=["rank", "link"])
+            rs = CounterMetricFamily(P + "rank_stall_seconds", "Time one tensor-parallel rank waited for experts",
+                                     labels=["rank"])
+            rr = GaugeMetricFamily(P + "rank_resident_bytes", "Bytes of expert slices resident in a tier of one rank "
+                                   "(host: the node's shared tier)", labels=["rank", "tier"])
+            for i, r in enumerate(s["ranks"]):
+                for link, v in r["bytes"].items():
+                    rb.add_metric([str(i), link], v)
+                rs.add_metric([str(i)], r["stall_seconds"])
+                for tier, v in r["resident_bytes"].items():
+                    rr.add_metric([str(i), tier], v)
+            yield rb
+            yield rs
+            yield rr
         yield GaugeMetricFamily(P + "requests_running", "Requests in the running batch", value=s.get("running", 0))
         yield GaugeMetricFamily(P + "requests_waiting", "Requests waiting for a batch slot", value=s.get("waiting", 0))
 

@@ -269,3 +269,65 @@ def test_huge_bodies_are_refused_without_freezing_the_server(server):
     st, data = raw(server, "POST", "/v1/completions", mid)
     assert st == 400 and "context" in json.loads(data)["error"]["message"] and time.time() - t0 < 5
     ok(server)
+
+
+def _children(pid: int) -> list:
+    """Processes whose parent is ``pid``, with their command lines."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append((int(d), cmd))
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_server_serves_and_restarts_its_group_when_a_rank_dies(tiny_store, capfd):
+    """serve --tensor-parallel 2: the same text as one process; per-rank metrics; a rank killed mid-stream
+    breaks the group - that stream ends with an error, the supervisor restarts the whole group, the next
+    request succeeds and no rank process of the old group is left."""
+    def text(srv):
+        r = client(srv, key="no-key-needed").completions.create(model=srv.model_name, prompt="tensor parallel",
+                                                                max_tokens=8, temperature=0)
+        return r.choices[0].text
+    one = start(tiny_store)
+    try:
+        want = text(one)
+    finally:
+        one.close()
+    srv = start(tiny_store, cfg={"tensor_parallel": 2})
+    try:
+        assert text(srv) == want
+        deadline = time.time() + 10
+        while metric0(srv, "tiered_moe_rank_transfer_bytes_total", {"rank": "1", "link": "host_to_device"}) == 0:
+            assert time.time() < deadline, "no per-rank figures from rank 1"
+            time.sleep(0.2)
+        ranks = [p for p, cmd in _children(srv.engine.proc.pid) if "spawn_main" in cmd]
+        assert len(ranks) == 1, _children(srv.engine.proc.pid)
+        stream = client(srv, key="no-key-needed").completions.create(model=srv.model_name, prompt="go", max_tokens=3000,
+                                                                     temperature=0, stream=True)
+        err = None
+        try:
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    os.kill(ranks[0], signal.SIGKILL)
+        except Exception as e:  # noqa: BLE001 - the client raises the error event
+            err = e
+        assert err is not None and "engine" in str(err)
+        assert text(srv) == want                                    # waits for the restarted group
+        assert metric(srv, "tiered_moe_engine_restarts_total") == 1
+        assert "the tensor-parallel group broke (rank 1 exited with code -9)" in capfd.readouterr().err
+        new = [p for p, cmd in _children(srv.engine.proc.pid) if "spawn_main" in cmd]
+        assert len(new) == 1 and new != ranks
+    finally:
+        srv.close()
+    time.sleep(1.0)
+    assert not os.path.exists(f"/proc/{ranks[0]}") or open(f"/proc/{ranks[0]}/stat").read().split()[2] == "Z"
