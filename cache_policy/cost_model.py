@@ -50,6 +50,9 @@ EXPERT_GEOMETRY = {
     "olmoe-1b-7b": (2048, 1024),
 }
 DEFAULT_GEOMETRY = "kimi-k3"
+# The models' hidden size (the residual stream a tensor-parallel all-reduce sums; cache_policy/layout.py).
+MODEL_HIDDEN = {"deepseek-v2-lite": 2048, "kimi-k3": 7168, "deepseek-v3": 7168, "deepseek-v4-flash": 4096,
+                "mixtral-8x7b": 4096, "qwen3-30b-a3b": 2048, "olmoe-1b-7b": 2048}
 
 
 def geometry_for_model(model: str) -> "tuple[str, bool]":

@@ -107,6 +107,8 @@ def cmd_replay(a) -> int:
         raise CliError("give exactly one of --trace FILE.npz or --synthetic")
     trace = load_trace(a.trace) if a.trace else _synthetic_trace(a)
     fit = load_trace(a.fit_trace) if a.fit_trace else None
+    from cache_policy.layout import project
+    layouts, hidden = _layouts(a, trace)
     results = []
     items = [(p, f, c) for p in a.policy.split(",") for f in a.prefetch.split(",") for c in a.cpu_experts.split(",")]
     for policy, prefetch, cpu in items:
@@ -117,6 +119,9 @@ def cmd_replay(a) -> int:
                            cpu_experts=cpu, prefetch_rule=a.prefetch_rule)
         prog = _progress_factory(not a.json and sys.stderr.isatty(), f"{policy}/{prefetch}/cpu-experts {cpu}")
         rs = replay(trace, cfg, _batches(a.batch), progress=prog)
+        for r in rs:
+            if layouts:
+                r["layouts"] = [project(trace, cfg, r["batch"], lay, hidden=hidden) for lay in layouts]
         results.extend(rs)
         if a.json:
             for r in rs:
@@ -125,7 +130,46 @@ def cmd_replay(a) -> int:
         print(format_table(results))
         print()
         print(_footer(results))
+        if layouts:
+            print()
+            print(format_layouts(results))
     return 0
+
+
+def _layouts(a, trace=None, hidden: "int | None" = None) -> "tuple[list, int | None]":
+    """--tensor-parallel / --pipeline-parallel (comma lists) -> the layouts to project and the hidden size
+    their all-reduces carry (--hidden, else the geometry's model, else ``hidden``)."""
+    from cache_policy import cost_model as cm
+    from cache_policy.layout import Layout
+    tps = _batches(getattr(a, "tensor_parallel", None) or "1")
+    pps = _batches(getattr(a, "pipeline_parallel", None) or "1")
+    layouts = [Layout(tp, pp) for pp in pps for tp in tps]
+    if layouts == [Layout(1, 1)] and not getattr(a, "tensor_parallel", None):
+        return [], None
+    h = getattr(a, "hidden", None) or hidden
+    names = [getattr(a, "expert_geometry", None), getattr(a, "geometry", None) if getattr(a, "synthetic", None) else None]
+    if trace is not None and cm.geometry_for_model(trace.model)[1]:
+        names.append(cm.geometry_for_model(trace.model)[0])
+    for name in names:
+        if h is None and name in cm.MODEL_HIDDEN:
+            h = cm.MODEL_HIDDEN[name]
+    if h is None:
+        raise CliError("layout projections need the model's hidden size (what each all-reduce carries): give --hidden")
+    return layouts, int(h)
+
+
+def format_layouts(results: list) -> str:
+    """One row per (policy, batch, layout): projected tokens/s and its ratio to one GPU of the same capacity."""
+    lines = [f"{'policy':<14} {'batch':>5} {'layout':<9} {'GPUs':>4} {'dev hit':>7} {'MB/tok/GPU':>10} "
+             f"{'all-reduce us':>13} {'tok/s':>9} {'x 1 GPU':>7}"]
+    for r in results:
+        base = next((x["tokens_per_s"] for x in r["layouts"] if x["gpus"] == 1), None)
+        for x in r["layouts"]:
+            lines.append(f"{r['policy']:<14} {r['batch']:>5} {x['layout']:<9} {x['gpus']:>4} {x['device_hit_rate']:>7.3f} "
+                         f"{x['bytes_per_token_per_gpu'] / 1e6:>10.2f} {x['allreduce_us']:>13.1f} "
+                         f"{x['tokens_per_s']:>9.1f} {(x['tokens_per_s'] / base if base else float('nan')):>7.2f}")
+    return "\n".join(lines) + ("\n(device capacity is per GPU, in expert slices; layouts: cache_policy/layout.py; "
+                               "multi-GPU figures: the profile's multi_gpu section)")
 
 
 def cmd_trace_stats(a) -> int:
@@ -269,11 +313,22 @@ def cmd_regimes(a) -> int:
 def _budget(text, flag):
     if text is None:
         return None
+    if flag == "--device-budget" and str(text).strip().lower() == "auto":
+        return "auto"
     from cache_policy.keys import parse_bytes
     try:
         return parse_bytes(text)
     except ValueError:
         raise CliError(f"{flag}: cannot parse {text!r}: give bytes (200000) or a size such as 512MiB or 4GiB") from None
+
+
+def cmd_plan(a) -> int:
+    from .plan import format_plan, plan_layouts
+    p = plan_layouts(a.model, gpus=a.gpus, context=a.context, batch=a.batch, profile=a.profile,
+                     budget=_budget(a.gpu_memory, "--gpu-memory"), utilization=a.gpu_memory_utilization,
+                     trace=a.trace, policy=a.policy, expert_format=a.expert_format)
+    print(json.dumps(p, indent=1) if a.json else format_plan(p))
+    return 0
 
 
 def cmd_convert(a) -> int:
@@ -425,7 +480,7 @@ def _apply_threads(a) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .cli_args import build_parser as build
     return build({"demo": cmd_demo, "regimes": cmd_regimes, "replay": cmd_replay, "convert": cmd_convert,
-                  "generate": cmd_generate, "serve": cmd_serve, "trace stats": cmd_trace_stats,
+                  "generate": cmd_generate, "serve": cmd_serve, "plan": cmd_plan, "trace stats": cmd_trace_stats,
                   "prefetch fit": cmd_prefetch_fit})
 
 

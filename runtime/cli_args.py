@@ -64,7 +64,8 @@ def _add_schedule(p) -> None:
 
 
 def _add_tier_args(p) -> None:
-    p.add_argument("--device-budget", help="device memory for dense weights + KV cache + experts, e.g. 4GiB "
+    p.add_argument("--device-budget", help="device memory for dense weights + KV cache + experts, e.g. 4GiB, per rank; "
+                                           "auto: the device's memory at 90%% split as 'tiered-moe plan' does "
                                            "(default: everything fits)")
     p.add_argument("--kv-cache-budget", default="0B",
                    help="memory of the KV cache, preallocated in blocks of 16 tokens; requests are admitted by free "
@@ -102,6 +103,16 @@ def _add_hybrid_args(p, live: bool = True) -> None:
                             "int8), a quarter or an eighth of their float32 bytes; default none (as stored)")
         p.add_argument("--profile", default=None, help="hardware profile of those decisions (default: cpu without "
                                                        "CUDA, h200 with it), or a profile JSON file")
+
+
+def _add_layout_args(p) -> None:
+    p.add_argument("--tensor-parallel", default=None, metavar="N[,N...]",
+                   help="also project these tensor-parallel layouts (GPUs each holding a slice of every expert; "
+                        "capacity is then per GPU, in slices): cache_policy/layout.py")
+    p.add_argument("--pipeline-parallel", default=None, metavar="M[,M...]",
+                   help="... with these pipeline stages (contiguous MoE layer ranges, micro-batches)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="the model's hidden size, for the all-reduce cost (default: the geometry's model)")
 
 
 def _add_engine_args(p, max_batch: int) -> None:
@@ -181,6 +192,7 @@ def _replay(sub, commands: dict) -> None:
                                                    "(reuse without it learns online)")
     r.add_argument("--transition-model", default=None, help="transition prefetcher saved by 'tiered-moe prefetch fit'")
     r.add_argument("--json", action="store_true", help="one JSON object per line, per batch size")
+    _add_layout_args(r)
     _add_hybrid_args(r, live=False)
     _add_synthetic_args(r)
     r.set_defaults(func=commands['replay'])
@@ -231,6 +243,27 @@ def _serve(sub, commands: dict) -> None:
     sv.set_defaults(func=commands['serve'])
 
 
+def _plan(sub, commands: dict) -> None:
+    pl = sub.add_parser("plan", help="per GPU: dense weights, KV and state for a context x batch, expert slots left, "
+                                     "host DRAM; the layout to run and its projected tokens/s")
+    pl.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs to plan for (tensor-parallel x pipeline stages)")
+    pl.add_argument("--context", type=int, required=True, help="tokens of context per sequence")
+    pl.add_argument("--batch", type=int, required=True, help="sequences at once")
+    pl.add_argument("--profile", default="h200", help="hardware profile with a multi_gpu section (default h200)")
+    pl.add_argument("--gpu-memory", default=None, help="memory of one GPU (default: the profile's)")
+    pl.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="share of a GPU's memory the plan fills (vLLM's knob; default 0.9)")
+    pl.add_argument("--trace", default=None, help="routing trace .npz for the projection (default: the store's own "
+                                                  "routing-trace.npz, else a synthetic one of its shape)")
+    pl.add_argument("--policy", default="lru", help="eviction policy of the projection (default lru)")
+    pl.add_argument("--expert-format", default=None,
+                    help="with a Hugging Face config directory instead of a store: the experts' format (default: "
+                         "the checkpoint's shipped one, else bf16)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=commands["plan"])
+
+
 def _trace(sub, commands: dict) -> None:
     t = sub.add_parser("trace", help="routing trace tools")
     tsub = t.add_subparsers(dest="trace_cmd", required=True)
@@ -253,6 +286,6 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     """``commands``: subcommand name (``"trace stats"`` for nested ones) -> the function it runs."""
     p = argparse.ArgumentParser(prog="tiered-moe", description="Tiered expert-offloading for MoE models.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for add in (_demo, _regimes, _replay, _convert, _generate, _serve, _trace, _prefetch):
+    for add in (_demo, _regimes, _replay, _convert, _generate, _serve, _plan, _trace, _prefetch):
         add(sub, commands)
     return p

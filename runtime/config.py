@@ -11,7 +11,7 @@ from dataclasses import dataclass
 @dataclass
 class RuntimeConfig:
     model: str
-    device_budget: "int | None" = None
+    device_budget: "int | str | None" = None   # bytes, or "auto" (runtime/plan.py)
     kv_cache_budget: int = 0
     host_budget: "int | None" = None
     policy: str = "reuse"
@@ -46,6 +46,8 @@ class RuntimeConfig:
             raise ValueError(f"--scope {self.scope!r}: use {' or '.join(SCOPES)}")
         if self.prefetch not in LIVE_PREFETCHERS:
             raise ValueError(f"--prefetch {self.prefetch!r}: use {', '.join(LIVE_PREFETCHERS)}")
+        if isinstance(self.device_budget, str) and self.device_budget != "auto":
+            raise ValueError(f"--device-budget {self.device_budget!r}: give bytes or auto")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("--max-batch and --prefill-chunk must be at least 1")
         if not self.cache_bonus >= 0:

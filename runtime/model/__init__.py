@@ -69,13 +69,23 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                                        device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # A rank's expert slots hold its slice of each expert (the whole one without tensor parallelism).
     stride = m.blob_stride if shard is None else rank_stride(m, shard)
+    if device_budget == "auto":
+        # runtime/plan.py: the device's memory at gpu_memory_utilization, the cache for max_batch sequences of
+        # the context (up to 8192 tokens) unless --kv-cache-budget says otherwise, the rest expert slots.
+        from ..plan import GPU_MEMORY_UTILIZATION, cache_bytes, device_memory
+        mem, _ = device_memory(device or (rank.device if rank is not None else None) or
+                               ("cuda" if torch.cuda.is_available() else None), profile)
+        device_budget = int(mem * GPU_MEMORY_UTILIZATION)
+        if not kv_cache_bytes:
+            kv_cache_bytes = cache_bytes(cfg, dtype, min(cfg.max_position_embeddings, 8192), max_batch)
     if device_budget is not None:
+        from ..plan import dense_bytes as _dense_bytes
         from .moe import state_bytes_per_sequence
-        dense_bytes = sum(t.numel() * dtype.itemsize for t in dense.values())
+        dense_bytes = _dense_bytes(dense.values(), dtype)
         need = cfg.top_k * stride * (m.num_layers if scope == "layer" else 1)
         state = max_batch * state_bytes_per_sequence(cfg, dtype)
         cache = max(kv_cache_bytes, state)     # the KV budget holds the state slots when given
-        expert_budget = device_budget - dense_bytes - cache
+        expert_budget = min(device_budget - dense_bytes - cache, m.num_layers * m.num_experts * stride)
         if expert_budget < need:
             what = f"KV cache ({kv_cache_bytes:,} bytes)"
             if state > kv_cache_bytes:

@@ -201,7 +201,19 @@ def build_k3_checkpoint(out_dir: str, spec: K3ShapeSpec = K3ShapeSpec()) -> str:
             w.update({q + "w1.weight": rnd(I, X, scale=0.02), q + "w3.weight": rnd(I, X, scale=0.02),
                       q + "w2.weight": rnd(X, I, scale=0.02)})
     save_file({k: v.contiguous().float() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
-    config = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": V, "hidden_size": H,
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(k3_config(spec), f, indent=1)
+    if V >= 256:
+        write_byte_tokenizer(out_dir, V)
+    return out_dir
+
+
+def k3_config(spec: K3ShapeSpec) -> dict:
+    """The config.json of a K3-shaped checkpoint (also alone: ``tiered-moe plan`` sizes a model from it)."""
+    V, H, X, I, L, E = (spec.vocab_size, spec.hidden_size, spec.latent_size, spec.expert_intermediate, spec.num_layers,
+                        spec.num_experts)
+    Hk, K, nh = spec.kda_heads, spec.kda_head_dim, spec.mla_heads
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": V, "hidden_size": H,
               "intermediate_size": I, "moe_intermediate_size": I, "num_hidden_layers": L,
               "num_attention_heads": nh, "num_key_value_heads": nh, "num_experts": E, "num_experts_per_token": spec.top_k,
               "num_shared_experts": spec.shared_experts, "moe_renormalize": True, "routed_scaling_factor": 2.5,
@@ -214,11 +226,16 @@ def build_k3_checkpoint(out_dir: str, spec: K3ShapeSpec = K3ShapeSpec()) -> str:
               # tiered-moe extensions (no public K3 checkpoint exists to mirror):
               "moe_latent_size": X, "attn_res_block_layers": spec.attn_res_block_layers,
               "tiered_moe_synthetic": {"shape": "k3", **asdict(spec)}}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    if V >= 256:
-        write_byte_tokenizer(out_dir, V)
-    return out_dir
+
+
+# Kimi K3 at full size, for plans and projections (no public K3 config exists): the issue's figures - 93
+# layers with KDA:MLA 3:1, hidden 7168, LatentMoE in a 3584 latent, 896 experts + 2 shared, top-16, the
+# expert intermediate of h200-anchors.json's K3-like expert (3072) - and Kimi K2's attention sizes (64 MLA
+# heads, kv_lora_rank 512, rotary 64, nope / v 128; 163840 vocabulary), KDA heads of 128 over the hidden size.
+K3_FULL = K3ShapeSpec(vocab_size=163840, hidden_size=7168, latent_size=3584, expert_intermediate=3072, num_layers=93,
+                      num_experts=896, top_k=16, shared_experts=2, kda_heads=56, kda_head_dim=128, mla_heads=64,
+                      kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                      attn_res_block_layers=3)
 
 
 # A chat template in the Jinja dialect Hugging Face checkpoints use (tokenizer_config.json).
