@@ -18,6 +18,10 @@
    resident, batch 3, against the same run on the CPU: greedy tokens equal, and the last logits
    of a prefill + decode within 2e-2 (float32).
 7. The cuda-marked tests.
+8. Tensor parallelism (issue 20): as many ranks as the machine has GPUs (at least 2: with one GPU the ranks
+   share it, over gloo), 25% of the experts per rank as slices, against one process: the same greedy tokens,
+   the ranks' residency equal, each rank's host->device bytes 1/N of one process's (within 2%), the shared
+   host tier mapped (and whether CUDA pinned it), decode tokens/s of both.
 Writes $OUT/gpu_check.json (or bench/results/gpu_check.json) and prints it.
 
 ``--dry-run`` runs every step on the CPU at toy sizes (no pinned memory, wall-clock timing, no
@@ -221,6 +225,9 @@ def main():
     diff = float((dev_logits - cpu_logits).abs().max())
     R["hybrid_attention"] = {"max_logit_diff": diff, "tokens_equal": dev_tokens == cpu_tokens,
                              "goal_met": diff <= 2e-2 and dev_tokens == cpu_tokens}
+    # 8. tensor parallelism (issue 20): as many ranks as GPUs, at least 2 (one GPU is shared by the ranks, over
+    # gloo); 25% of the experts per rank as slices; against one process: tokens, bytes per rank, speed
+    R["tensor_parallel"] = tensor_parallel_check(store, dry)
     # 7. cuda tests
     if dry:
         R["cuda_tests"] = "skipped (dry run)"
@@ -232,6 +239,55 @@ def main():
     with open(os.path.join(out_dir, "gpu_check_dry_run.json" if dry else "gpu_check.json"), "w") as f:
         json.dump(R, f, indent=1)
     print(json.dumps(R, indent=1))
+
+
+def tensor_parallel_check(store: str, dry: bool) -> dict:
+    from runtime.config import RuntimeConfig
+    from runtime.engine import SamplingParams
+    from runtime.parallel.group import Group
+    from runtime.parallel.shard import Shard, rank_manifest
+    from runtime.store import Manifest
+    m = Manifest.read(store)
+    ranks = 2 if dry or torch.cuda.device_count() < 2 else torch.cuda.device_count()
+    n = max(2, m.num_layers * m.num_experts // 4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7]]
+    out = {"ranks": ranks, "gpus": 0 if dry else torch.cuda.device_count()}
+    for tp in (1, ranks):
+        stride = m.blob_stride if tp == 1 else rank_manifest(m, Shard(0, tp)).blob_stride
+        cfg = RuntimeConfig(model=store, max_batch=2, expert_budget=n * stride, policy="lru", tensor_parallel=tp)
+        group = None
+        try:
+            if tp == 1:
+                model, st = cfg.load()
+                eng = cfg.engine(model, st)
+            else:
+                group = Group(cfg)
+                model, st = group.load()
+                eng = group.make_engine(model, st)
+            ids = [eng.add_request(p, SamplingParams(max_tokens=8 if dry else 32, ignore_eos=True)) for p in prompts]
+            t0 = time.perf_counter()
+            eng.run()
+            wall = time.perf_counter() - t0
+            s = eng.summary()
+            snaps = eng.gather("snapshot") if tp > 1 else [st.snapshot()]
+            r = {"tokens": [eng.done[i].output for i in ids], "decode_tokens_per_s": s["decode_tokens_per_s"],
+                 "wall_s": wall, "h2d_bytes_per_rank": [x["bytes"]["host_to_device"] for x in snaps]}
+            if tp > 1:
+                lay = eng.gather("layout")
+                r.update(backend=group.rank.backend, host_shared=all(x["host_shared"] for x in lay),
+                         host_pinned=[x["host_pinned"] for x in lay],
+                         residency_equal=len({json.dumps(x) for x in eng.gather("residency")}) == 1)
+            st.close()
+        finally:
+            if group is not None:
+                group.close()
+        out[f"tp{tp}"] = r
+    one, many = out["tp1"], out[f"tp{ranks}"]
+    out["tokens_equal"] = one["tokens"] == many["tokens"]
+    out["bytes_ratio_per_rank"] = [b / max(1, one["h2d_bytes_per_rank"][0]) for b in many["h2d_bytes_per_rank"]]
+    out["goal_met"] = (out["tokens_equal"] and many["residency_equal"]
+                       and all(abs(x * ranks - 1) < 0.02 for x in out["bytes_ratio_per_rank"]))
+    return out
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def measure(workdir: str, quick: bool) -> dict:
     """TP 1 and 2 on the mid checkpoint (bf16 and MXFP4 stores), interleaved, best of 3."""
     from runtime.config import RuntimeConfig
     from runtime.engine import SamplingParams
-    from runtime.parallel.group import Group
+    from runtime.parallel.group import open_group
     from runtime.parallel.shard import Shard, rank_manifest
     from runtime.store import Manifest
     paths = {"bf16": os.path.join(workdir, "mid-store-bf16"), "mxfp4": os.path.join(workdir, "mid-store-mxfp4")}
@@ -156,11 +156,7 @@ def measure(workdir: str, quick: bool) -> dict:
                             model, st = cfg.load()
                             eng = cfg.engine(model, st)
                         else:
-                            if group is None:
-                                group = Group(cfg)
-                                model, st = group.load()
-                            else:
-                                model, st = group.load(cfg=cfg)
+                            group, model, st = open_group(group, cfg)
                             eng = group.make_engine(model, st)
                         ids = [eng.add_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in ps]
                         t0 = time.perf_counter()

@@ -304,7 +304,8 @@ def cmd_regimes(a) -> int:
     rows = run_regimes(a.model, batches=batches, configs=configs, device_fraction=a.device_fraction,
                        requests=a.requests, prompt_len=a.prompt_len, max_tokens=a.max_tokens, profile=a.profile,
                        geometry=a.expert_geometry, seed=a.seed, out_prefix=a.out, progress=sys.stderr.isatty(),
-                       cache_bonus=a.cache_bonus)
+                       cache_bonus=a.cache_bonus, tensor_parallel=a.tensor_parallel,
+                       pipeline_parallel=a.pipeline_parallel)
     print(format_rows(rows))
     if a.out:
         print(f"\nwrote {a.out}.json and {a.out}.png")
@@ -362,7 +363,8 @@ def _runtime_config(a, max_active="args"):
                              cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
                              profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "none"),
                              dense_quant=getattr(a, "dense_quant", "none"),
-                             tensor_parallel=getattr(a, "tensor_parallel", 1))
+                             tensor_parallel=getattr(a, "tensor_parallel", 1),
+                             pipeline_parallel=getattr(a, "pipeline_parallel", 1))
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -386,7 +388,7 @@ def cmd_generate(a) -> int:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
     cfg = _runtime_config(a, max_active=None)
     group = None
-    if cfg.tensor_parallel > 1:          # ranks 1..N-1 start here (or under torchrun: they never return)
+    if cfg.tensor_parallel * cfg.pipeline_parallel > 1:          # ranks 1..N-1 start here (or under torchrun: they never return)
         from .parallel.group import Group
         group = Group(cfg)
         try:

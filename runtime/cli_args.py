@@ -122,6 +122,10 @@ def _add_engine_args(p, max_batch: int) -> None:
                         "slice of every expert (split along the intermediate axis) and of the attention heads; one "
                         "all-reduce per sublayer. Started by this command, or by torchrun (one process per rank). "
                         "Budgets are per rank")
+    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="M",
+                   help="M stages of consecutive layers (x --tensor-parallel ranks each), hidden states handed from "
+                        "stage to stage, micro-batches so stages overlap at batch > 1; across nodes with torchrun "
+                        "(README: multi-node)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per sequence per step")
     _add_threads(p)
     _add_cache_bonus(p)
@@ -167,6 +171,10 @@ def _regimes(sub, commands: dict) -> None:
     rg.add_argument("--persistence", type=float, default=0.5)
     rg.add_argument("--seed", type=int, default=0)
     rg.add_argument("--out", default=None, help="path prefix for .json and .png")
+    rg.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="run the live model on N tensor-parallel ranks (the device fraction is per rank, in "
+                         "slices) and project that layout from the recorded routing")
+    rg.add_argument("--pipeline-parallel", type=int, default=1, metavar="M", help="... and M pipeline stages")
     _add_threads(rg)
     _add_cache_bonus(rg)
     rg.set_defaults(func=commands['regimes'])

@@ -30,6 +30,7 @@ class RuntimeConfig:
     host_act_quant: str = "none"         # none | q8: 4-bit experts on the CPU dot 8-bit activations (runtime/kernels)
     dense_quant: str = "none"            # none | int8 | int4: non-expert projections quantized at load (layers/dense.py)
     tensor_parallel: int = 1             # ranks that split every expert and the attention heads (runtime/parallel)
+    pipeline_parallel: int = 1           # stages of consecutive layers (x tensor_parallel ranks each)
 
     def __post_init__(self) -> None:
         from cache_policy.cost_model import load_profile
@@ -71,6 +72,20 @@ class RuntimeConfig:
             raise ValueError(f"--dense-quant {self.dense_quant!r}: use {', '.join(DENSE_QUANT)}")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise ValueError(f"--tensor-parallel must be a positive integer, got {self.tensor_parallel!r}")
+        if not isinstance(self.pipeline_parallel, int) or self.pipeline_parallel < 1:
+            raise ValueError(f"--pipeline-parallel must be a positive integer, got {self.pipeline_parallel!r}")
+        if self.pipeline_parallel > 1:
+            from .model.config import MoEConfig
+            mc = MoEConfig.from_hf(self.model)
+            if self.pipeline_parallel > mc.num_moe_layers:
+                raise ValueError(f"--pipeline-parallel {self.pipeline_parallel}: the model has {mc.num_moe_layers} MoE "
+                                 f"layers, a stage needs at least one")
+            if mc.attn_res_block_layers:
+                raise ValueError(f"--pipeline-parallel: {self.model} uses Block Attention Residuals, which pipeline "
+                                 f"stages do not support yet; use --tensor-parallel")
+            if self.host_budget is not None:
+                raise ValueError("--pipeline-parallel needs a host tier that holds every expert of a stage: drop "
+                                 "--host-budget")
         if self.tensor_parallel > 1:
             if self.host_budget is not None:
                 raise ValueError("--tensor-parallel needs a host tier that holds every expert (shared by the node's "

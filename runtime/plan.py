@@ -140,7 +140,7 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
     from cache_policy.layout import Layout, MultiGPU, project, stage_ranges
     from cache_policy.replay import ReplayConfig
     from .model.config import MoEConfig
-    from .parallel.shard import Shard, plan, rank_manifest, shard_dense
+    from .parallel.shard import Shard, plan, rank_manifest, shard_dense, stage_layers
     if gpus < 1 or context < 1 or batch < 1:
         raise ValueError("--gpus, --context and --batch must be positive")
     if not 0 < utilization <= 1:
@@ -165,8 +165,7 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
         dense_all = shard_dense(cfg, p, dict(meta)) if tp > 1 else dict(meta)
         stages = []
         for s, (a, b) in enumerate(ranges):
-            lo = cfg.moe_layers[a] if s else 0
-            hi = cfg.moe_layers[b] if b < cfg.num_moe_layers else cfg.num_layers
+            (lo, hi), _ = stage_layers(cfg, pp, s)
             layers = set(range(lo, hi))
             names = stage_tensors(cfg, dense_all, layers, s == 0, s == pp - 1)
             dense = dense_bytes([dense_all[n] for n in names], dtype)

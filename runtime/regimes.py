@@ -22,10 +22,12 @@ from cache_policy.replay import ReplayConfig, replay_batch
 def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fraction: float, requests: int,
             prompt_len: int, max_tokens: int, profile: str, geometry: "str | None", seed: int,
             cache_bonus: float = 0.0, schedule: str = "fcfs", dtype: "str | None" = None,
-            expert_budget_bytes: "int | None" = None) -> dict:
+            expert_budget_bytes: "int | None" = None, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
     """``dtype``: the projection's expert dtype with ``geometry`` (default bf16; without a geometry the
     store's own format and blob bytes);
-    ``expert_budget_bytes``: the device tier in bytes instead of ``device_fraction`` of the experts."""
+    ``expert_budget_bytes``: the device tier in bytes instead of ``device_fraction`` of the experts.
+    ``tensor_parallel`` / ``pipeline_parallel``: run the live part on a group of ranks (runtime/parallel:
+    ``device_fraction`` is then per rank, in slices, of its stage's experts) and project that layout too."""
     from .quant import cost_dtype
     from .engine import Engine, SamplingParams
     from .model import load_model
@@ -34,10 +36,24 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     total = m.num_layers * m.num_experts
     slots = max(1, int(round(device_fraction * total))) if expert_budget_bytes is None else \
         max(1, min(total, expert_budget_bytes // m.blob_stride))
-    model, store = load_model(store_dir, expert_budget=slots * m.blob_stride, policy=policy, scope="global")
+    group = None
+    if tensor_parallel * pipeline_parallel > 1:
+        from .config import RuntimeConfig
+        from .parallel.group import Group
+        from .parallel.shard import Shard, rank_manifest
+        stride = rank_manifest(m, Shard(0, tensor_parallel)).blob_stride if tensor_parallel > 1 else m.blob_stride
+        stage = max(1, int(round(slots / pipeline_parallel)))
+        cfg = RuntimeConfig(model=store_dir, expert_budget=stage * stride, policy=policy, scope="global",
+                            max_batch=batch, prefill_chunk=1, prefetch=prefetch, cache_bonus=cache_bonus,
+                            schedule=schedule, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+        group = Group(cfg)
+        model, store = group.load()
+    else:
+        model, store = load_model(store_dir, expert_budget=slots * m.blob_stride, policy=policy, scope="global")
     try:
-        eng = Engine(model, store, max_batch=batch, prefill_chunk=1, prefetch=prefetch, cache_bonus=cache_bonus,
-                     schedule=schedule)
+        eng = group.make_engine(model, store) if group is not None else \
+            Engine(model, store, max_batch=batch, prefill_chunk=1, prefetch=prefetch, cache_bonus=cache_bonus,
+                   schedule=schedule)
         g = torch.Generator().manual_seed(seed)
         V = model.cfg.vocab_size
         for i in range(max(requests, batch)):
@@ -49,8 +65,11 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
         wall = time.perf_counter() - t0
         s = eng.summary()
         tr = eng.trace()
+        per_rank = [x["bytes"]["host_to_device"] for x in eng.gather("snapshot")] if group is not None else None
     finally:
         store.close()
+        if group is not None:
+            group.close()
     # The projection replays the recorded routing with the same policy and (where replay has it)
     # the same prefetcher; lookahead needs hidden states, so its projection counts demand loads only.
     cfg = ReplayConfig(policy=policy, prefetch=prefetch if prefetch in ("freq", "transition") else "none",
@@ -60,6 +79,16 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     r = replay_batch(tr, cfg, batch)
     rh = replay_batch(tr, dataclasses.replace(cfg, cpu_experts="auto"), batch)
     need = sum(s["hits"].values())
+    layout = None
+    if group is not None:
+        from cache_policy.layout import Layout, project
+        from .model.config import MoEConfig
+        # per GPU: the same fraction of its stage's experts, as slices (what the live ranks held)
+        lay = project(tr, dataclasses.replace(cfg, device_capacity=repr(slots / total)), batch,
+                      Layout(tensor_parallel, pipeline_parallel), hidden=MoEConfig.from_hf(store_dir).hidden_size)
+        layout = {"layout": lay["layout"], "tokens_per_s": lay["tokens_per_s"],
+                  "MB_per_token_per_gpu": lay["bytes_per_token_per_gpu"] / 1e6,
+                  "measured_h2d_bytes_per_token_per_rank": [b / max(1, tr.num_tokens) for b in per_rank]}
     return {
         "batch": batch, "policy": policy, "prefetch": prefetch, "device_fraction": slots / total, "device_slots": slots,
         "requests": max(requests, batch), "generated_tokens": s["generated_tokens"], "wall_seconds": wall,
@@ -79,12 +108,15 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
                       "h2d_MB_per_token_hybrid": rh["bytes_per_token"]["host_to_device"] / 1e6,
                       "note": "replay of the recorded routing through the cost model"},
         "device_is_stand_in": s["device_is_stand_in"],
+        "layout": layout,
     }
 
 
 def format_rows(rows: list) -> str:
     head = ["batch", "policy", "prefetch", "dev %", "uniq/layer", "dev hit", "MB/tok h2d", "stall s", "tok/s measured",
             "tok/s projected", "projected hybrid", "on host", "projected resident"]
+    if any(r.get("layout") for r in rows):
+        head += ["layout", "projected layout", "MB/tok/rank measured"]
     out = [head]
     for r in rows:
         out.append([str(r["batch"]), r["policy"], r["prefetch"], f"{100 * r['device_fraction']:.0f}",
@@ -92,7 +124,10 @@ def format_rows(rows: list) -> str:
                     f"{r['bytes_per_token']['host_to_device'] / 1e6:.2f}", f"{r['stall_seconds']:.2f}",
                     f"{r['measured_tokens_per_s']:.1f}", f"{r['projected']['tokens_per_s']:.1f}",
                     f"{r['projected']['tokens_per_s_hybrid']:.1f}", f"{r['projected']['host_share_hybrid']:.2f}",
-                    f"{r['projected']['tokens_per_s_all_resident']:.1f}"])
+                    f"{r['projected']['tokens_per_s_all_resident']:.1f}"]
+                   + ([r["layout"]["layout"], f"{r['layout']['tokens_per_s']:.1f}",
+                       "/".join(f"{b / 1e6:.2f}" for b in r["layout"]["measured_h2d_bytes_per_token_per_rank"])]
+                      if r.get("layout") else []))
     w = [max(len(x[i]) for x in out) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w[i]) if i >= 3 or i == 0 else c.ljust(w[i]) for i, c in enumerate(row)) for row in out]
     lines.insert(1, "  ".join("-" * x for x in w))
@@ -131,7 +166,8 @@ def plot(rows: list, path: str, title: str) -> None:
 
 def run_regimes(store_dir: str, *, batches, configs, device_fraction: float, requests: int, prompt_len: int,
                 max_tokens: int, profile: str = "h200", geometry: "str | None" = None, seed: int = 0,
-                out_prefix: "str | None" = None, progress: bool = False, cache_bonus: float = 0.0) -> list:
+                out_prefix: "str | None" = None, progress: bool = False, cache_bonus: float = 0.0,
+                tensor_parallel: int = 1, pipeline_parallel: int = 1) -> list:
     rows = []
     jobs = [(p, pf, b) for p, pf in configs for b in batches]
     bar = None
@@ -141,7 +177,8 @@ def run_regimes(store_dir: str, *, batches, configs, device_fraction: float, req
     for p, pf, b in jobs:
         rows.append(run_one(store_dir, batch=b, policy=p, prefetch=pf, device_fraction=device_fraction,
                             requests=requests, prompt_len=prompt_len, max_tokens=max_tokens, profile=profile,
-                            geometry=geometry, seed=seed, cache_bonus=cache_bonus))
+                            geometry=geometry, seed=seed, cache_bonus=cache_bonus, tensor_parallel=tensor_parallel,
+                            pipeline_parallel=pipeline_parallel))
         if bar:
             bar.update()
     if bar:

@@ -71,6 +71,9 @@ class Engine:
         # True under tensor parallelism (runtime/parallel/group.py): an error inside a step is raised, not
         # turned into failed requests - the other ranks are waiting in a collective this rank left.
         self.fail_fast = False
+        # Pipeline stages: callable(this rank's [(MoE layer, ids)]) -> every stage's, so each rank files the
+        # routing of every layer (the scheduler's expert-aware choice and the trace read it). None: one stage.
+        self.routing_sync = None
         # The KV cache: preallocated blocks (load_model's kv_cache_bytes, else max_batch sequences of
         # 1024 tokens, and at least one sequence of the whole context up to 8192); admission by free
         # blocks, preemption when out. Its memory is fixed from here on.
@@ -164,8 +167,10 @@ class Engine:
         if m in self._pred:
             ctl.learn(self._pred.pop(m), used)
         nxt = m + 1
-        if nxt >= self.model.cfg.num_moe_layers or nxt < store.cpu_experts.layers or nxt in self._hashed:
-            return                  # (a hash-routed layer's experts were moved exactly at the step's start)
+        if (nxt >= self.model.cfg.num_moe_layers or nxt < store.cpu_experts.layers or nxt in self._hashed
+                or not store.holds(nxt)):
+            return                  # (a hash-routed layer's experts were moved exactly at the step's start; another
+            #                          pipeline stage predicts its own first layer from its own routing)
         ctl.observe(m, used, None, self._step_no)
         pred = self._pred[nxt] = ctl.predict(nxt, used, hidden=x)
         pred = ctl.select(pred, store.last_idle_link_s, set(store.resident(nxt)), store.displaced_reuse(nxt))
@@ -198,6 +203,8 @@ class Engine:
             self.store.recover()           # no expert whose load failed stays resident
             self.store.end_step()
             return StepResult(out, self._record_step(before, sched, [], t0, failed=len(sched.requests)))
+        if self.routing_sync is not None:
+            self._step_routing = self.routing_sync(self._step_routing)
         unique = self._file_routing(sched)
         out, ended, failed = self.scheduler.postprocess(sched, logits, time.perf_counter())
         for r in ended:
@@ -219,8 +226,10 @@ class Engine:
         """Routing of this step's tokens, per request, in feed order (one [tokens, L, k] array per
         step); returns the unique experts per MoE layer."""
         L, E = self.model.cfg.num_moe_layers, self.model.cfg.num_experts
-        per_layer = dict(self._step_routing)
-        A = np.stack([per_layer[m] for m in range(L)], axis=1)            # A: [tokens, L, k]
+        per_layer: dict = {}
+        for m, ids in self._step_routing:            # micro-batches of a pipeline: one entry each, in order
+            per_layer.setdefault(m, []).append(ids)
+        A = np.stack([np.concatenate(per_layer[m]) for m in range(L)], axis=1)   # A: [tokens, L, k]
         off = 0
         for r, c in zip(sched.requests, sched.chunks):
             r.routing.append(A[off:off + len(c)])
@@ -274,7 +283,7 @@ class Engine:
         ids = np.concatenate(per_req).astype(np.int64)                       # ids: [tokens, L, k]
         lens = [len(x) for x in per_req]
         from ..quant import cost_dtype
-        m = self.store.m
+        m = self.store.full_m          # whole experts (a tensor-parallel rank moves slices of them)
         return Trace(ids=ids, seq_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
                      num_experts=self.model.cfg.num_experts, model=self.model.cfg.model_type,
                      layer_numbers=np.array(self.model.cfg.moe_layers), expert_bytes=m.blob_bytes,

@@ -161,7 +161,9 @@ class Scheduler:
         or max_tokens. Returns (outputs, ended requests, requests failed while sampling)."""
         out, ended, failed = [], [], 0
         sampled = [self._advance(r, len(c)) for r, c in zip(sched.requests, sched.chunks)]
-        picks = [self._pick(r, lg) if s else None for r, lg, s in zip(sched.requests, logits, sampled)]
+        # logits None: a pipeline stage without the head - the last stage's picks arrive through token_sync
+        picks = [self._pick(r, lg) if s else None for r, lg, s in zip(sched.requests, logits, sampled)] \
+            if logits is not None else [None] * len(sampled)
         if self.token_sync is not None:
             picks = self.token_sync(picks)
         for r, s, pick in zip(sched.requests, sampled, picks):

@@ -60,15 +60,24 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                          f"but config.json describes {cfg.num_moe_layers} x {cfg.num_experts} {want}: "
                          f"a store of another model; convert again")
     dense = load_dense(store_dir, cfg)
-    shard = None
+    stored = dense["model.embed_tokens.weight"].dtype       # the checkpoint's dtype (before a stage drops the embedding)
+    shard, moe_range = None, None
+    if rank is not None and rank.layers is not None and tuple(rank.layers) != (0, cfg.num_layers):
+        # A pipeline stage: its layers' tensors, the embeddings on the first, norm and head on the last.
+        from ..plan import stage_tensors
+        lo, hi = rank.layers
+        keep = set(stage_tensors(cfg, dense, set(range(lo, hi)), lo == 0, hi == cfg.num_layers))
+        dense = {n: t for n, t in dense.items() if n in keep}
+        moe_range = tuple(rank.moe)
     if rank is not None and rank.tp > 1:
         from ..parallel.shard import shard_dense
         dense = shard_dense(cfg, rank.plan, dense)       # the rank's slice of the checkpoint's tensors
         cfg, shard = rank.plan.cfg, rank.plan.shard
-    dtype = dtype or compute_dtype_for(dense["model.embed_tokens.weight"].dtype,
+    dtype = dtype or compute_dtype_for(stored,
                                        device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # A rank's expert slots hold its slice of each expert (the whole one without tensor parallelism).
     stride = m.blob_stride if shard is None else rank_stride(m, shard)
+    held = m.num_layers if moe_range is None else moe_range[1] - moe_range[0]     # MoE layers this process holds
     if device_budget == "auto":
         # runtime/plan.py: the device's memory at gpu_memory_utilization, the cache for max_batch sequences of
         # the context (up to 8192 tokens) unless --kv-cache-budget says otherwise, the rest expert slots.
@@ -85,7 +94,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
         need = cfg.top_k * stride * (m.num_layers if scope == "layer" else 1)
         state = max_batch * state_bytes_per_sequence(cfg, dtype)
         cache = max(kv_cache_bytes, state)     # the KV budget holds the state slots when given
-        expert_budget = min(device_budget - dense_bytes - cache, m.num_layers * m.num_experts * stride)
+        expert_budget = min(device_budget - dense_bytes - cache, held * m.num_experts * stride)
         if expert_budget < need:
             what = f"KV cache ({kv_cache_bytes:,} bytes)"
             if state > kv_cache_bytes:
@@ -95,11 +104,12 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                              f"+ {what} + one layer's top-{cfg.top_k} experts ({need:,} bytes): "
                              f"the minimum is {dense_bytes + cache + need:,} bytes")
     if expert_budget is None:
-        expert_budget = m.num_layers * m.num_experts * stride
+        expert_budget = held * m.num_experts * stride
     store = ExpertStore(store_dir, device_budget=expert_budget, host_budget=host_budget, policy=policy, scope=scope,
                         device=device or (rank.device if rank is not None else None),
                         min_experts_per_layer=cfg.top_k, progress=progress, cpu_experts=cpu_experts,
-                        profile=profile, shard=shard, share=rank.share if rank is not None and rank.tp > 1 else None)
+                        profile=profile, shard=shard, share=rank.share if rank is not None and rank.world > 1 else None,
+                        layers=moe_range)
     return MoEModel(cfg, dense, store, device=store.device, dtype=dtype, kv_bytes=kv_cache_bytes or None,
                     host_act_quant=host_act_quant, dense_quant=dense_quant, tp=rank), store
 

@@ -112,10 +112,19 @@ class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32,
                  kv_bytes: "int | None" = None, host_act_quant: str = "none", dense_quant: str = "none",
                  tp=None) -> None:
-        """``tp``: a tensor-parallel rank (runtime/parallel/group.py ``Rank``): ``cfg`` and ``dense`` are then
-        the rank's (runtime/parallel/shard.py), and its split sublayers are all-reduced."""
+        """``tp``: a rank of a parallel group (runtime/parallel/group.py ``Rank``): ``cfg`` and ``dense`` are then
+        the rank's (runtime/parallel/shard.py), its split sublayers are all-reduced, and with pipeline stages
+        it runs the model layers ``tp.layers`` only - the hidden states come from the stage before and go to
+        the stage after (``tp.pipe``); the first stage embeds, the last one computes the logits."""
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.tp = tp
+        lo, hi = tp.layers if tp is not None and tp.layers is not None else (0, cfg.num_layers)
+        self.layer_ids = range(lo, hi)
+        self.first, self.last = lo == 0, hi == cfg.num_layers
+        self.pipe = tp.pipe if tp is not None and (not self.first or not self.last) else None
+        if self.pipe is not None and cfg.attn_res_block_layers:
+            raise ValueError(f"{cfg.source}: pipeline stages with Block Attention Residuals are not supported yet "
+                             f"(a stage would hand over every block summary); run it with --tensor-parallel only")
         # Set by the engine between steps; read into each forward's ForwardContext.
         self.cache_bonus = 0.0            # cache-aware routing: added to resident experts' router logits
         self.step = 0                     # placement time; the engine advances it once per step
@@ -141,13 +150,14 @@ class MoEModel:
         self.kv_bytes = kv_bytes
         # Per-token layers index the paged KV cache, linear-attention layers the state arena,
         # sliding-window layers the rings.
-        index = {"paged": {layer: j for j, layer in enumerate(cfg.paged_layers)},
-                 "window": {layer: j for j, layer in enumerate(cfg.window_layers)},
-                 "state": {layer: j for j, layer in enumerate(cfg.linear_layers)},
-                 "v4": {layer: j for j, layer in enumerate(cfg.v4_layers)}}
+        mine = set(self.layer_ids)
+        index = {k: {layer: j for j, layer in enumerate(x for x in ls if x in mine)}
+                 for k, ls in (("paged", cfg.paged_layers), ("window", cfg.window_layers), ("state", cfg.linear_layers),
+                               ("v4", cfg.v4_layers))}
+        self._paged = len(index["paged"])
         self.layers: list = []
         moe_blocks, gqa = [], False
-        for i in range(cfg.num_layers):
+        for i in self.layer_ids:
             pre = layer_prefix(i)
             attn = build_attention(cfg, i, w, index)
             split = tp.plan if tp is not None and tp.plan.shard.world > 1 else None
@@ -171,13 +181,14 @@ class MoEModel:
         self.moe_blocks = moe_blocks
         # GQA layers read cos / sin broadcast over heads: built once per forward only when one exists.
         self.gqa = gqa
-        self.embed = take(w, "model.embed_tokens.weight")
-        self.norm = take(w, "model.norm.weight")
+        self.embed = take(w, "model.embed_tokens.weight") if self.first or (self.last and cfg.tie_word_embeddings) \
+            else None
+        self.norm = take(w, "model.norm.weight") if self.last else None
         self.final_query = take(w, "model.attn_res.final_query") if cfg.attn_res_block_layers else None
-        self.hc_head = HyperHead(cfg, w) if cfg.hc_mult else None
+        self.hc_head = HyperHead(cfg, w) if cfg.hc_mult and self.last else None
         # An untied lm_head is a Linear like the attention weights (kept bf16 where that pays).
         self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype, **linear_opts(w, head=True)) \
-            if "lm_head.weight" in w else None
+            if "lm_head.weight" in w and self.last else None
         self.unused = sorted(w)    # dense tensors of the store no layer reads (none for a supported model)
         # CPU decode: each GQA + MoE layer in two kernel calls where the kernels cover it (layers/fused.py);
         # None for a layer that runs composed. TIERED_MOE_FUSED_DECODE=0 turns it off (tests compare).
@@ -218,29 +229,31 @@ class MoEModel:
 
     # -- the KV cache ----------------------------------------------------------------------------
     def kv_shape(self) -> tuple:
-        return kv_shape(self.cfg)
+        return kv_shape(self.cfg, self.layer_ids)
 
     def cache_specs(self) -> dict:
-        return cache_specs(self.cfg)
+        return cache_specs(self.cfg, self.layer_ids)
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes one more token of context adds to a sequence's cache (per-token layers only)."""
-        return kv_bytes_per_token(self.cfg, self.dtype)
+        """Bytes one more token of context adds to a sequence's cache (per-token layers only; a pipeline
+        stage's layers)."""
+        return kv_bytes_per_token(self.cfg, self.dtype, self.layer_ids)
 
     def state_bytes_per_sequence(self) -> int:
         """Bytes of fixed per-sequence state (linear-attention layers), whatever the context length."""
-        return state_bytes_per_sequence(self.cfg, self.dtype)
+        return state_bytes_per_sequence(self.cfg, self.dtype, self.layer_ids)
 
     def cache_bytes(self, tokens: int) -> int:
         """A sequence's whole cache at ``tokens`` tokens of context."""
         return tokens * self.kv_bytes_per_token() + self.state_bytes_per_sequence()
 
     def init_kv(self, nbytes: "int | None" = None, block_size: "int | None" = None,
-                max_seqs: "int | None" = None) -> PagedKV:
+                max_seqs: "int | None" = None, num_blocks: "int | None" = None) -> PagedKV:
         """Preallocate the cache from one budget: ``nbytes`` (else the model's kv_bytes, else room for
         16 sequences of up to 4096 tokens). With linear-attention layers ``max_seqs`` (default 16)
         state slots come out of it first; the rest is KV blocks of ``block_size`` tokens (default 16, a
-        multiple of every DeepSeek-V4 compress rate)."""
+        multiple of every DeepSeek-V4 compress rate). ``num_blocks``: exactly this many blocks (the ranks
+        of a group agree on one count: runtime/parallel/group.py)."""
         block_size = block_size or kv_block_size(self.cfg)
         per_tok, per_seq = self.kv_bytes_per_token(), self.state_bytes_per_sequence()
         seqs = (max_seqs or 16) if per_seq else 0
@@ -249,6 +262,8 @@ class MoEModel:
             blocks = int((nbytes - seqs * per_seq) // (per_tok * block_size))
         else:   # no layer caches per token (every one sliding or linear): blocks only number positions
             blocks = seqs * -(-self.cfg.max_position_embeddings // block_size) if nbytes >= seqs * per_seq else 0
+        if num_blocks is not None:
+            blocks = int(num_blocks)
         if blocks < 1:
             need = seqs * per_seq + per_tok * block_size
             raise ValueError(f"KV cache budget {nbytes:,} bytes is smaller than "
@@ -258,7 +273,7 @@ class MoEModel:
         h, d, v = self.kv_shape()
         specs = [s for s in self.cache_specs().values() if isinstance(s, StateCacheSpec)]
         wins = [s for s in self.cache_specs().values() if isinstance(s, WindowCacheSpec)]
-        self.kv = PagedKV(len(self.cfg.paged_layers), h, d, self.dtype, self.device, num_blocks=blocks,
+        self.kv = PagedKV(self._paged, h, d, self.dtype, self.device, num_blocks=blocks,
                           block_size=block_size, with_v=v, state=specs[0] if specs else None,
                           state_layers=len(specs), state_slots=seqs, window=wins[0] if wins else None,
                           window_layers=len(wins),
@@ -287,12 +302,27 @@ class MoEModel:
         kernels.set_threads(want)         # the host kernels split even one token's experts
         use = max(1, min(want, sum(len(c) for c in chunks) // self.tokens_per_thread))
         if use == want:
-            return self._forward(seqs, chunks)
+            return self._micro(seqs, chunks)
         torch.set_num_threads(use)
         try:
-            return self._forward(seqs, chunks)
+            return self._micro(seqs, chunks)
         finally:
             torch.set_num_threads(want)
+
+    def _micro(self, seqs: list, chunks: list):
+        """Pipeline stages: the step's sequences in up to ``stages`` micro-batches, one after the other on this
+        stage - while the next stage runs micro-batch j, this one runs j + 1 (GPipe's schedule, for decode).
+        The last stage returns the logits of all of them; the others None."""
+        m = min(len(seqs), self.pipe.stages) if self.pipe is not None else 1
+        if m <= 1:
+            out = self._forward(seqs, chunks)
+        else:
+            cuts = [round(i * len(seqs) / m) for i in range(m + 1)]
+            parts = [self._forward(seqs[a:b], chunks[a:b]) for a, b in zip(cuts, cuts[1:])]
+            out = torch.cat(parts) if self.last else None
+        if self.pipe is not None:
+            self.pipe.flush()             # this step's sends have left: their buffers may be reused
+        return out
 
     def _forward(self, seqs: list, chunks: list) -> torch.Tensor:
         cfg = self.cfg
@@ -308,15 +338,23 @@ class MoEModel:
                             after_moe=self.prefetch_hook)
         ids = torch.tensor(flat, device=self.device)
         ctx.tokens = self._tokens = ids
-        x = self.embed[ids]                                              # x: [tokens, hidden]
-        if self.hc_head is not None:
-            x = self.layers_hyper(x, ctx)
+        T, H = len(flat), cfg.hidden_size
+        if cfg.hc_mult:                   # DeepSeek-V4's hyper-connected streams h: [tokens, streams, hidden]
+            h = self.embed[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous() if self.first else \
+                self.pipe.recv((T, cfg.hc_mult, H), self.dtype)
+            h = self.layers_hyper(h, ctx)
+            x = self.hc_head(h) if self.last else self.pipe.send(h)
         elif self.final_query is not None:
-            x = self.layers_attn_res(x, ctx)
+            x = self.layers_attn_res(self.embed[ids], ctx)
         else:
+            x = self.embed[ids] if self.first else self.pipe.recv((T, H), self.dtype)   # x: [tokens, hidden]
             x = self.run_layers(x, ctx)
+            if not self.last:
+                x = self.pipe.send(x)
         for s, c in zip(seqs, chunks):
             s.length += len(c)
+        if not self.last:
+            return None
         # decode: every token is its sequence's last
         h = rms_norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans], device=self.device)],
                      self.norm, cfg.rms_norm_eps)
@@ -343,16 +381,15 @@ class MoEModel:
                 bufs.begin(x, ctx)        # a composed layer made a new x
         return x
 
-    def layers_hyper(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def layers_hyper(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The decoder layers on DeepSeek-V4's hyper-connected residual streams (hyper.py): each sublayer
-        reads a mix of the streams and its output is spread back over them. x: [tokens, hidden]
-        embeddings -> the final hidden state [tokens, hidden]."""
+        reads a mix of the streams and its output is spread back over them. h: [tokens, streams, hidden]
+        (the embeddings on every stream, or the stage before's) -> the streams after this stage's layers."""
         eps = self.cfg.rms_norm_eps
-        h = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()   # h: [tokens, streams, hidden]
         for layer in self.layers:
             h = layer.attn_hc.mix(h, lambda c: layer.attn(rms_norm(c, layer.input_norm, eps), ctx))
             h = layer.ffn_hc.mix(h, lambda c: layer.ffn(rms_norm(c, layer.post_norm, eps), ctx))
-        return self.hc_head(h)
+        return h
 
     def layers_attn_res(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The decoder layers with Block Attention Residuals (attn_res.py): each sublayer reads a

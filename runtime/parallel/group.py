@@ -39,21 +39,40 @@ IDLE_SYNC_S = 1.0
 
 @dataclass
 class Rank:
-    """One process of a group: its place, its device and what it holds. ``plan`` (shard.py) is set once
-    the model's config is known; ``share``: how it joins its node's shared host tier."""
+    """One process of a group of ``tp`` tensor-parallel ranks x ``pp`` pipeline stages (rank = stage x tp +
+    tensor-parallel rank): its place, its device and what it holds. ``plan`` (shard.py), ``layers`` (the model
+    layers of its stage) and ``moe`` (their MoE layers) are set once the model's config is known; ``share``:
+    how it joins its node's shared host tier; ``pipe``: its stage's hand-over (None with one stage)."""
     rank: int = 0
     world: int = 1
     tp: int = 1
+    pp: int = 1
     device: "str | None" = None
     plan: object = None
     share: object = None
     backend: str = "none"
-
+    layers: "tuple | None" = None
+    moe: "tuple | None" = None
+    pipe: object = None
+    pg_tp: object = None       # the stage's tensor-parallel process group (None: the whole world)
     dead: object = None        # rank 0 of a spawned group: callable() -> [(rank, exit code)] of exited ranks
 
     @property
     def driver(self) -> bool:
         return self.rank == 0
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def source(self) -> int:
+        """The rank that samples: the last stage's first (it has the logits)."""
+        return (self.pp - 1) * self.tp
 
     def broken(self, e: Exception) -> "GroupError":
         """The error a failed collective becomes: which rank is gone, where that is known."""
@@ -62,27 +81,46 @@ class Rank:
         return GroupError(f"the tensor-parallel group broke ({who}): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the tensor-parallel ranks, in place."""
+        """Sum ``t`` over the stage's tensor-parallel ranks, in place."""
         try:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.pg_tp)
         except RuntimeError as e:
             raise self.broken(e) from None
         return t
 
-    def barrier(self) -> None:
+    def barrier(self, stage: bool = False) -> None:
+        """Until every rank (``stage``: of this stage) is here."""
         try:
-            dist.barrier()
+            dist.barrier(group=self.pg_tp if stage else None)
         except RuntimeError as e:
             raise self.broken(e) from None
 
-    def broadcast(self, obj=None):
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast(self, obj=None, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank."""
         box = [obj]
         try:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=src)
         except RuntimeError as e:
             raise self.broken(e) from None
         return box[0]
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj`` on every rank, by rank."""
+        out = [None] * self.world
+        try:
+            dist.all_gather_object(out, obj)
+        except RuntimeError as e:
+            raise self.broken(e) from None
+        return out
+
+    def min(self, values: list) -> list:
+        """The smallest of each value over every rank."""
+        t = torch.tensor(values, dtype=torch.int64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        except RuntimeError as e:
+            raise self.broken(e) from None
+        return t.tolist()
 
     def gather(self, obj) -> "list | None":
         """Every rank's ``obj``, on rank 0 (None elsewhere)."""
@@ -124,7 +162,46 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _init(rank: int, world: int, local_rank: int, local_world: int, init_method: str, token: str) -> Rank:
+class Pipe:
+    """A pipeline stage's hand-over: hidden states from the stage before (``recv``) and to the stage after
+    (``send``, non-blocking: the stage goes on with its next micro-batch; ``flush`` waits for them), each
+    between the ranks of the same tensor-parallel place."""
+
+    def __init__(self, rank: Rank, stages: int) -> None:
+        self.rank, self.stages = rank, stages
+        self.prev = rank.rank - rank.tp if rank.stage > 0 else None
+        self.next = rank.rank + rank.tp if rank.stage < stages - 1 else None
+        self.pending: list = []
+
+    def recv(self, shape: tuple, dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.rank.device or "cpu")
+        try:
+            dist.recv(t, src=self.prev)
+        except RuntimeError as e:
+            raise self.rank.broken(e) from None
+        return t
+
+    def send(self, t: torch.Tensor) -> None:
+        t = t.contiguous()
+        try:
+            self.pending.append((dist.isend(t, dst=self.next), t))
+        except RuntimeError as e:
+            raise self.rank.broken(e) from None
+
+    def flush(self) -> None:
+        try:
+            for work, _ in self.pending:
+                work.wait()
+        except RuntimeError as e:
+            raise self.rank.broken(e) from None
+        finally:
+            self.pending = []
+
+
+def _init(rank: int, world: int, local_rank: int, local_world: int, init_method: str, token: str,
+          tp: int, pp: int) -> Rank:
+    if tp * pp != world:
+        raise ValueError(f"{world} ranks are not --tensor-parallel {tp} x --pipeline-parallel {pp}")
     backend = backend_for(world, local_world)
     dev = device_for(local_rank)
     if dev is not None:
@@ -132,22 +209,29 @@ def _init(rank: int, world: int, local_rank: int, local_world: int, init_method:
     kw = {"device_id": torch.device(dev)} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S), **kw)
-    r = Rank(rank=rank, world=world, tp=world, device=dev, backend=backend)
+    r = Rank(rank=rank, world=world, tp=tp, pp=pp, device=dev, backend=backend)
+    if pp > 1:     # one tensor-parallel group per stage (every rank creates every group, in the same order)
+        for s in range(pp):
+            g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+            if s == r.stage:
+                r.pg_tp = g
+        r.pipe = Pipe(r, pp)
     from ..store.shared import HostShare, shm_dir
     token = r.broadcast(token)          # one name for the whole group (torchrun ranks each made their own)
-    r.share = HostShare(path=os.path.join(shm_dir(), f"tiered-moe-host-{token}"), create=local_rank == 0,
-                        rank=local_rank, ranks=local_world, barrier=r.barrier)
+    # The stage's ranks share their node's host tier (tensor parallelism stays inside a node).
+    r.share = HostShare(path=os.path.join(shm_dir(), f"tiered-moe-host-{token}-s{r.stage}"), create=r.tp_rank == 0,
+                        rank=r.tp_rank, ranks=tp, barrier=lambda: r.barrier(stage=True))
     return r
 
 
 # -- starting ranks ---------------------------------------------------------------------------------
-def _worker_entry(rank: int, world: int, init_method: str, token: str, cfg: dict, ready) -> None:
+def _worker_entry(rank: int, world: int, init_method: str, token: str, cfg: dict, ready, tp: int, pp: int) -> None:
     """A spawned rank: join the group, load its slice, run the engine loop rank 0 drives."""
     code = 0
     _watch_parent(os.getppid())
     try:
         ready.put(rank)                 # imported and alive: rank 0 may start the rendezvous
-        r = _init(rank, world, rank, world, init_method, token)
+        r = _init(rank, world, rank, world, init_method, token, tp, pp)
         Worker(r, cfg).run()
     except Exception as e:  # noqa: BLE001 - reported, and the exit code tells the driver
         print(f"tiered-moe rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -178,9 +262,11 @@ class Group:
     """Rank 0's handle on the group: start it, load a model, build the engine, stop it."""
 
     def __init__(self, cfg, *, start: bool = True) -> None:
-        """``cfg``: the RuntimeConfig (runtime/config.py); its ``tensor_parallel`` is the group's size."""
+        """``cfg``: the RuntimeConfig (runtime/config.py); its ``tensor_parallel`` x ``pipeline_parallel`` is the
+        group's size."""
         self.cfg, self.procs = cfg, []
-        self.world = cfg.tensor_parallel
+        self.tp, self.pp = cfg.tensor_parallel, cfg.pipeline_parallel
+        self.world = self.tp * self.pp
         self.rank: "Rank | None" = None
         self.engine = None
         if start:
@@ -191,10 +277,11 @@ class Group:
         if under_torchrun():
             world = int(os.environ["WORLD_SIZE"])
             if world != self.world:
-                raise ValueError(f"torchrun started {world} ranks, --tensor-parallel says {self.world}")
+                raise ValueError(f"torchrun started {world} ranks, --tensor-parallel {self.tp} x --pipeline-parallel "
+                                 f"{self.pp} needs {self.world}")
             rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            r = _init(rank, world, local, local_world, "env://", uuid.uuid4().hex)
+            r = _init(rank, world, local, local_world, "env://", uuid.uuid4().hex, self.tp, self.pp)
             if rank != 0:        # a torchrun worker: serve rank 0's commands, then leave
                 code = 0
                 try:
@@ -212,13 +299,13 @@ class Group:
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         for rank in range(1, self.world):
-            p = ctx.Process(target=_worker_entry, args=(rank, self.world, init, token, cfg, ready),
+            p = ctx.Process(target=_worker_entry, args=(rank, self.world, init, token, cfg, ready, self.tp, self.pp),
                             name=f"tiered-moe-rank-{rank}", daemon=True)
             p.start()
             self.procs.append(p)
         try:
             self._wait_ready(ready)
-            self.rank = _init(0, self.world, 0, self.world, init, token)
+            self.rank = _init(0, self.world, 0, self.world, init, token, self.tp, self.pp)
             self.rank.dead = lambda: [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
         except BaseException:
             self.kill()
@@ -245,9 +332,9 @@ class Group:
         configuration of the same group size (a group serves one model at a time: the ranks drop the one
         they held)."""
         if cfg is not None:
-            if cfg.tensor_parallel != self.world:
-                raise ValueError(f"a group of {self.world} ranks cannot load a --tensor-parallel "
-                                 f"{cfg.tensor_parallel} configuration")
+            if (cfg.tensor_parallel, cfg.pipeline_parallel) != (self.tp, self.pp):
+                raise ValueError(f"a group of TP {self.tp} x PP {self.pp} ranks cannot load a --tensor-parallel "
+                                 f"{cfg.tensor_parallel} x --pipeline-parallel {cfg.pipeline_parallel} configuration")
             self.cfg = cfg
         self.rank.broadcast(("load", dataclasses.asdict(self.cfg), progress))
         return _load(self.rank, self.cfg, progress)
@@ -287,21 +374,51 @@ class Group:
                 p.join(5)
 
 
+def open_group(group: "Group | None", cfg, progress: bool = False) -> tuple:
+    """(group, rank 0's model, its store) with ``cfg`` loaded: a new group when ``group`` is None, else the
+    given one (same size) loading ``cfg`` - the ranks drop the model they held."""
+    if group is None:
+        group = Group(cfg)
+        try:
+            return (group, *group.load(progress))
+        except BaseException:
+            group.close()
+            raise
+    return (group, *group.load(progress, cfg=cfg))
+
+
 def _load(rank: Rank, cfg, progress: bool):
     from ..model.config import MoEConfig
-    from .shard import Shard, plan
+    from .shard import Shard, plan, stage_layers
     # Ranks share the node's cores: without --threads each takes its share (more threads than cores
     # makes every rank wait for the slowest at each all-reduce).
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // rank.share.ranks))
-    rank.plan = plan(MoEConfig.from_hf(cfg.model), Shard(rank.rank, rank.tp))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                           rank.world))))
+    mc = MoEConfig.from_hf(cfg.model)
+    rank.plan = plan(mc, Shard(rank.tp_rank, rank.tp))
+    if rank.pp > 1:
+        rank.layers, rank.moe = stage_layers(mc, rank.pp, rank.stage)
     return cfg.load(progress=progress and rank.driver, rank=rank)
 
 
 def _engine(rank: Rank, cfg, model, store, kw: dict):
     eng = cfg.engine(model, store, **kw)
     eng.fail_fast = True                 # an error inside a step breaks the group: no rank goes on alone
-    eng.scheduler.token_sync = lambda picks: rank.broadcast(picks)
+    eng.scheduler.token_sync = lambda picks: rank.broadcast(picks, src=rank.source)
+    # Pipeline stages cache different layers, so the same budget makes different block counts: every rank
+    # takes the smallest, so admission and preemption decide the same everywhere.
+    n = rank.min([model.kv.num_blocks])[0]
+    if n != model.kv.num_blocks:
+        model.init_kv(model.kv_bytes, max_seqs=eng.scheduler.max_active, num_blocks=n)
+    if rank.pp > 1:
+        leaders = [s * rank.tp for s in range(rank.pp)]
+        eng.routing_sync = lambda mine: _merge_routing(rank.all_gather(mine), leaders)
     return eng
+
+
+def _merge_routing(every: list, leaders: list) -> list:
+    """Each stage's [(MoE layer, ids)] (from its first rank), stage after stage."""
+    return [x for r in leaders for x in every[r]]
 
 
 class GroupEngine:
@@ -358,9 +475,24 @@ class GroupEngine:
 
     def score(self, prompts: list):
         """Logits of each prompt's last token [len(prompts), vocab], by one forward of every rank
-        (``Engine.score``)."""
+        (``Engine.score``; the last stage's, with pipeline stages)."""
         self._send([("score", [list(map(int, p)) for p in prompts])])
-        return self.eng.score(prompts)
+        return self.rank.broadcast(self.eng.score(prompts), src=self.rank.source)
+
+    def summary(self) -> dict:
+        """``Engine.summary``; with pipeline stages the store figures (hits, bytes, stall, computed) summed over
+        the stages (each stage's first rank: the others hold the same experts' other slices)."""
+        s = self.eng.summary()
+        if self.rank.pp == 1:
+            return s
+        every = self.gather("summary")
+        stages = [every[k * self.rank.tp] for k in range(self.rank.pp)]
+        for key in ("hits", "bytes", "computed"):
+            s[key] = {k: sum(x[key][k] for x in stages) for k in s[key]}
+        s["stall_seconds"] = sum(x["stall_seconds"] for x in stages)
+        need = sum(s["hits"].values())
+        s["hit_rate_device"] = s["hits"]["device"] / need if need else None
+        return s
 
 
 def rank_info(eng, what: str):
@@ -373,11 +505,17 @@ def rank_info(eng, what: str):
                 "placement": sorted(k for pool in st.placement.unique_pools("device") for k in pool.resident)}
     if what == "snapshot":
         return st.snapshot()
+    if what == "summary":
+        return eng.summary()
     if what == "layout":
         p = eng.model.tp.plan if eng.model.tp is not None else None
-        return {"rank": eng.model.tp.rank if eng.model.tp is not None else 0,
+        r = eng.model.tp
+        return {"rank": r.rank if r is not None else 0, "stage": r.stage if r is not None else 0,
+                "layers": [eng.model.layer_ids.start, eng.model.layer_ids.stop], "moe_layers": list(st.layers),
                 "expert_slice_bytes": st.m.blob_bytes, "expert_bytes": st.full_m.blob_bytes,
                 "kv_bytes_per_token": eng.model.kv_bytes_per_token(),
+                "host_shared": st.segment is not None, "host_pinned": bool(st.segment and st.segment.pinned),
+                "host_bytes": st.capacity_bytes()["host"],
                 **(p.summary() if p is not None else {})}
     raise ValueError(f"unknown rank info {what!r}")
 
@@ -429,6 +567,6 @@ class Worker:
         elif kind == "gather":
             self.rank.gather(rank_info(eng, c[1]))
         elif kind == "score":
-            eng.score(c[1])
+            self.rank.broadcast(eng.score(c[1]), src=self.rank.source)
         else:
             raise ValueError(f"unknown command {kind!r} from rank 0")

@@ -148,6 +148,8 @@ def shard_dense(cfg: MoEConfig, p: ShardPlan, dense: dict) -> dict:
 
     for i in range(cfg.num_layers):
         pre = layer_prefix(i)
+        if pre + "input_layernorm.weight" not in out:
+            continue                      # another pipeline stage's layer
         if p.attn_split[i]:
             if cfg.attention == "mla":
                 _mla(cfg, out, pre + "self_attn.", p.shard)
@@ -270,5 +272,16 @@ def rank_manifest(m, shard: Shard):
                     layer_numbers=m.layer_numbers, extra=dict(m.extra), weights=local)
 
 
+def stage_layers(cfg: MoEConfig, stages: int, stage: int) -> tuple:
+    """((lo, hi), (a, b)): the model layers [lo, hi) and MoE layers [a, b) of pipeline stage ``stage`` of
+    ``stages``: balanced MoE-layer ranges (cache_policy/layout.stage_ranges), the dense layers before the
+    first MoE layer on the first stage, the layers after a range's last MoE layer with it."""
+    from cache_policy.layout import stage_ranges
+    a, b = stage_ranges(cfg.num_moe_layers, stages)[stage]
+    lo = cfg.moe_layers[a] if stage else 0
+    hi = cfg.moe_layers[b] if b < cfg.num_moe_layers else cfg.num_layers
+    return (lo, hi), (a, b)
+
+
 __all__ = ["Shard", "ShardPlan", "plan", "shard_dense", "expert_weights", "slice_expert", "rank_bytes_fraction",
-           "rank_manifest"]
+           "rank_manifest", "stage_layers"]

@@ -67,7 +67,7 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     import zmq
     from ..engine import FinishReason, SamplingParams
     group = None
-    if cfg.tensor_parallel > 1:        # this process is rank 0; the others start here and follow its commands
+    if cfg.tensor_parallel * cfg.pipeline_parallel > 1:        # this process is rank 0; the others start here and follow its commands
         from ..parallel.group import Group
         group = Group(cfg)
         try:

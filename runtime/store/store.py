@@ -199,7 +199,7 @@ class ExpertStore:
                  min_experts_per_layer: int = 1, threads: int = 4, verify: bool = True,
                  max_inflight_prefetch: int = 64, direct_io: bool = True, progress: bool = False,
                  cpu_experts: "str | int | CpuExperts" = "0", profile: "str | None" = None,
-                 shard=None, share=None) -> None:
+                 shard=None, share=None, layers: "tuple | None" = None) -> None:
         """``cpu_experts``: 0, N (every expert of the first N MoE layers computed on the host) or
         auto (the cost model decides per expert per step; see cache_policy.cost_model.HybridCost).
         ``profile``: the hardware profile of those decisions and of prefetch's cost rule (default:
@@ -210,13 +210,20 @@ class ExpertStore:
         stored expert), its host tier every expert's slices of every rank, rank-major, laid over the
         node's shared segment when ``share`` (a ``HostShare``: runtime/store/shared.py) says how to join
         it. Placement runs the same on every rank from the same routing (``deterministic``): no
-        decision depends on timing, so the ranks' residency never diverges."""
+        decision depends on timing, so the ranks' residency never diverges.
+
+        Pipeline stages: ``layers`` = (a, b), the MoE layers [a, b) this stage holds (their global indices
+        stay the store's: requests name them as every stage's model does); the host tier holds only them,
+        and scope "layer" gives only them device slots."""
         self.full_m = Manifest.read(store_dir)
         from ..parallel.shard import Shard, rank_manifest
         self.shard = shard or Shard()
         N = self.shard.world
         self.m = m = self.full_m if N == 1 else rank_manifest(self.full_m, self.shard)
-        self.deterministic = N > 1
+        self.deterministic = N > 1 or layers is not None
+        self.layers = (0, m.num_layers) if layers is None else (int(layers[0]), int(layers[1]))
+        if not 0 <= self.layers[0] < self.layers[1] <= m.num_layers:
+            raise ValueError(f"MoE layer range {layers} is outside the store's {m.num_layers} layers")
         check_policy_name(policy, live=True)
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
@@ -224,6 +231,7 @@ class ExpertStore:
         self.device_is_stand_in = self.device == "cpu"
         cuda = self.device.startswith("cuda")
         L, E, stride = m.num_layers, m.num_experts, m.blob_stride
+        Ls = self.layers[1] - self.layers[0]          # the layers this store holds (all but under pipeline stages)
         self.cpu_experts = CpuExperts.parse(cpu_experts, num_layers=L)
         self.profile = cm.load_profile(profile or ("h200" if cuda else "cpu"))
         params = sum(int(np.prod(w.shape)) for w in m.weights)
@@ -256,8 +264,11 @@ class ExpertStore:
                                          host_policy_factory=LRU if policy == "none" else factory,
                                          hybrid=self.cost if self.cpu_experts.auto else None,
                                          cpu_layers=self.cpu_experts.layers)
-        n_dev = dev_slots * (L if scope == "layer" else 1)
-        n_host = L * E if host_slots is None else host_slots * (L if scope == "layer" else 1)
+        if layers is not None and host_slots is not None:
+            raise ValueError("a pipeline stage's store needs a host tier that holds every expert of its layers: "
+                             "drop --host-budget")
+        n_dev = dev_slots * (Ls if scope == "layer" else 1)
+        n_host = Ls * E if host_slots is None else host_slots * (L if scope == "layer" else 1)
         self.dev = Slab(n_dev, stride, self.device, pin=False)
         # The host tier: whole blobs; under tensor parallelism each slot holds every rank's slice, rank-major.
         self.host_stride = stride * N
@@ -298,7 +309,7 @@ class ExpertStore:
     # -- bytes ---------------------------------------------------------------------------------
     def _load_all_to_host(self, progress: bool) -> None:
         m = self.full_m
-        keys = [l * m.num_experts + e for l in range(m.num_layers) for e in range(m.num_experts)]
+        keys = [l * m.num_experts + e for l in range(*self.layers) for e in range(m.num_experts)]
         for k in keys:                      # slots in key order: the same on every rank of a group
             self.host.alloc(k)
         share = self.share
@@ -442,8 +453,9 @@ class ExpertStore:
         experts = sorted({int(e) for e in experts})
         if experts and (experts[0] < 0 or experts[-1] >= m.num_experts):
             raise ValueError(f"layer {layer}: expert ids must be in [0, {m.num_experts}), got {experts}")
-        if not 0 <= layer < m.num_layers:
-            raise ValueError(f"layer {layer} out of range: the store has {m.num_layers} MoE layers")
+        if not self.layers[0] <= layer < self.layers[1]:
+            raise ValueError(f"layer {layer} out of range: the store holds MoE layers {self.layers[0]}.."
+                             f"{self.layers[1] - 1} of {m.num_layers}")
         pool_cap = self.placement.device_capacity(layer)
         if len(experts) > pool_cap and not self._host_holds_all:
             raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the device tier holds {pool_cap}: "
@@ -518,7 +530,10 @@ class ExpertStore:
 
     def prefetch(self, layer: int, experts, t: int, protect: "list[int] | None" = None) -> int:
         """Bring predicted experts of ``layer`` ahead of need; bounded, never blocks demand loads.
-        ``protect``: experts of the layer being computed (never evicted for a prefetch)."""
+        ``protect``: experts of the layer being computed (never evicted for a prefetch). A layer this store
+        does not hold (another pipeline stage's) moves nothing."""
+        if not self.holds(layer):
+            return 0
         # Prefetches in flight: under tensor parallelism those issued and not yet settled by their layer's
         # request (a count every rank agrees on), else those whose copy has not finished.
         busy = len(self._prefetching) if self.deterministic else len([f for f in self.inflight.values() if not f.done()])
@@ -532,6 +547,10 @@ class ExpertStore:
         self._prefetching.update({k: f for k, f in started.items() if k not in disk})
         self.stats.prefetch_loaded += len(d.loaded)
         return len(d.loaded)
+
+    def holds(self, layer: int) -> bool:
+        """Whether this store holds MoE layer ``layer`` (a pipeline stage holds a range)."""
+        return self.layers[0] <= layer < self.layers[1]
 
     def invalidate(self, key: int) -> None:
         """Drop an expert whose load failed from every tier (placement and slots)."""

@@ -30,6 +30,9 @@ def test_gpu_check_dry_run_covers_every_step(tmp_path):
     assert h["host_expert_us_measured"] > 0 and h["host_expert_us_predicted"] > 0
     ha = R["hybrid_attention"]
     assert ha["tokens_equal"] and ha["max_logit_diff"] == 0.0 and ha["goal_met"]   # CPU against CPU: identical
+    tp = R["tensor_parallel"]
+    assert tp["ranks"] == 2 and tp["tokens_equal"] and tp["tp2"]["residency_equal"] and tp["tp2"]["host_shared"]
+    assert tp["tp2"]["backend"] == "gloo" and tp["goal_met"], tp
     # without --dry-run and without CUDA it refuses with a clear message
     if not __import__("torch").cuda.is_available():
         q = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py")], cwd=ROOT, env=env,

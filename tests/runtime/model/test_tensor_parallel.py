@@ -1,6 +1,7 @@
 """Tensor parallelism (runtime/parallel): each rank's slices of the weights, and a real gloo group of 2 and 4
 rank processes checked against one process - every architecture's fixture, every expert resident and with
 10% of them on the device: logits, 32 greedy tokens, the ranks' residency, the bytes each rank moves."""
+import glob
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from runtime.model.synthetic import K3ShapeSpec, SyntheticModelSpec, build_check
 from runtime.parallel.shard import Shard, expert_weights, plan, rank_manifest
 from runtime.quant import get_format
 from runtime.store import ExpertStore, Manifest
+from runtime.store.shared import shm_dir
 from runtime.model.config import MoEConfig
 
 PROMPTS = [[3, 17, 5, 9, 11, 2, 40, 7], [8, 1, 6]]
@@ -151,13 +153,30 @@ def _slots(store_dir: str, N: int, fraction: "float | None") -> "int | None":
     return n * (m.blob_stride if N == 1 else rank_manifest(m, Shard(0, N)).blob_stride)
 
 
+def _stage_slots(store_dir: str, N: int, stages: int, fraction: "float | None") -> "int | None":
+    """A stage's expert slots for ``fraction`` of its layers' experts (at least top-k)."""
+    if fraction is None:
+        return None
+    m = Manifest.read(store_dir)
+    cfg = MoEConfig.from_hf(store_dir)
+    per = -(-m.num_layers // stages)
+    n = max(cfg.top_k, round(fraction * per * m.num_experts))
+    return n * (m.blob_stride if N == 1 else rank_manifest(m, Shard(0, N)).blob_stride)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_group_matches_one_process(arch_stores, world):
-    from runtime.parallel.group import Group
+@pytest.mark.parametrize("world,stages", [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2xpp2"])
+def test_group_matches_one_process(arch_stores, world, stages):
+    """Tensor-parallel ranks (x pipeline stages): logits, 32 greedy tokens, residency and bytes against one
+    process."""
+    from runtime.parallel.group import open_group
     group = None
     try:
         for arch, store_dir in arch_stores.items():
+            if stages > 1 and MoEConfig.from_hf(store_dir).attn_res_block_layers:
+                with pytest.raises(ValueError, match="Block Attention Residuals"):
+                    RuntimeConfig(model=store_dir, tensor_parallel=world, pipeline_parallel=stages)
+                continue
             for fraction in (None, 0.1):
                 cfg1 = RuntimeConfig(model=store_dir, max_batch=2, expert_budget=_slots(store_dir, 1, fraction))
                 model, store = cfg1.load()
@@ -166,22 +185,33 @@ def test_group_matches_one_process(arch_stores, world):
                 want_bytes = store.snapshot()["bytes"]["host_to_device"]
                 store.close()
 
-                cfg = RuntimeConfig(model=store_dir, max_batch=2, tensor_parallel=world,
-                                    expert_budget=_slots(store_dir, world, fraction))
-                if group is None:
-                    group = Group(cfg)
-                    model, store = group.load()
-                else:
-                    model, store = group.load(cfg=cfg)
+                cfg = RuntimeConfig(model=store_dir, max_batch=2, tensor_parallel=world, pipeline_parallel=stages,
+                                    expert_budget=_slots(store_dir, world, fraction) if stages == 1 else
+                                    _stage_slots(store_dir, world, stages, fraction))
+                group, model, store = open_group(group, cfg)
                 eng = group.make_engine(model, store)
                 logits, got = _run(eng)
-                what = f"{arch}, {world} ranks, {'all' if fraction is None else '10%'} of experts on the device"
+                what = (f"{arch}, {world} ranks x {stages} stages, {'all' if fraction is None else '10%'} of experts "
+                        f"on the device")
                 assert (logits - want_logits).abs().max() < 1e-4, what
                 assert got == want, what
                 res = eng.gather("residency")
-                assert all(r == res[0] for r in res[1:]), f"{what}: the ranks' residency diverged"
-                assert res[0]["slots"] == res[0]["placement"], what
+                for s in range(stages):          # a stage's ranks hold the same experts
+                    mine = res[s * world:(s + 1) * world]
+                    assert all(r == mine[0] for r in mine[1:]), f"{what}: the ranks' residency diverged"
+                assert all(r["slots"] == r["placement"] for r in res), what
                 snaps = eng.gather("snapshot")
+                lay = eng.gather("layout")
+                assert [x["rank"] for x in lay] == list(range(world * stages))
+                # One host tier per stage, shared by its ranks (mapped, its name already gone); the stages' layers
+                # tile the model.
+                assert all(x["host_shared"] for x in lay) and not glob.glob(os.path.join(shm_dir(), "tiered-moe-host-*"))
+                assert lay[0]["layers"][0] == 0 and lay[-1]["layers"][1] == MoEConfig.from_hf(store_dir).num_layers
+                assert all(lay[s * world]["layers"][1] == lay[(s + 1) * world]["layers"][0] for s in range(stages - 1))
+                if stages > 1:    # micro-batches request each layer once per micro-batch: other placement, same tokens
+                    assert all(snaps[s * world]["bytes"]["host_to_device"] > 0 for s in range(stages)), what
+                    store.close()
+                    continue
                 # A rank's slice is 1/N of the expert, less the down bias (gpt-oss) every rank's blob keeps whole
                 # (rank 0's, zeros elsewhere: one layout for every rank).
                 bias = sum(t.nbytes for t in store.m.tensors if t.name.startswith("down_bias."))
@@ -191,8 +221,6 @@ def test_group_matches_one_process(arch_stores, world):
                     assert s["bytes"]["host_to_device"] == want_bytes * store.m.blob_bytes // store.full_m.blob_bytes, what
                 if fraction is not None:
                     assert want_bytes > 0, f"{what}: the device tier never missed"
-                lay = eng.gather("layout")
-                assert [x["rank"] for x in lay] == list(range(world))
                 store.close()
     finally:
         if group is not None:
@@ -213,3 +241,53 @@ def test_generate_command_with_two_ranks(arch_stores, capsys):
     two = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert two[0]["tokens"] == one[0]["tokens"] and len(one[0]["tokens"]) == 12
     assert two[1]["bytes"]["host_to_device"] < one[1]["bytes"]["host_to_device"]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_with_torchrun(arch_stores, capsys):
+    """Pipeline stages across "nodes": two torchrun launches (--nnodes 2, one rank each) meeting at a
+    rendezvous address on the loopback, as README's multi-node section starts them; rank 0's text is one
+    process's."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from runtime.cli import main
+    store = arch_stores["qwen3_moe"]
+    args = ["generate", "--model", store, "--prompt-ids", "3,17,5,9", "--prompt-ids", "8,1", "--max-tokens", "12",
+            "--json"]
+    assert main(args) == 0
+    one = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    procs = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "runtime.cli", *args,
+                               "--pipeline-parallel", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for n in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    two = [json.loads(x) for x in outs[0][0].splitlines() if x.startswith("{")]
+    assert [x["tokens"] for x in two[:2]] == [x["tokens"] for x in one[:2]]
+    assert outs[1][0].strip() == ""                       # the second node's rank follows rank 0 and prints nothing
+
+
+@pytest.mark.slow
+def test_regimes_on_two_ranks_projects_the_layout(arch_stores):
+    """regimes --tensor-parallel 2: the live part on two ranks (each rank's measured bytes per token half of
+    one process's at the same slot count), the layout projected from the recorded routing."""
+    from runtime.regimes import run_one
+    store = arch_stores["mixtral"]
+    kw = dict(batch=2, policy="lru", prefetch="none", device_fraction=0.25, requests=2, prompt_len=4, max_tokens=6,
+              profile="h200", geometry=None, seed=0)
+    one = run_one(store, **kw)
+    two = run_one(store, **kw, tensor_parallel=2)
+    assert one["layout"] is None and two["layout"]["layout"] == "TP2"
+    m = Manifest.read(store)
+    half = rank_manifest(m, Shard(0, 2)).blob_bytes / m.blob_bytes
+    for b in two["layout"]["measured_h2d_bytes_per_token_per_rank"]:
+        assert b == pytest.approx(one["bytes_per_token"]["host_to_device"] * half)
+    assert two["generated_tokens"] == one["generated_tokens"] and two["layout"]["tokens_per_s"] > 0
