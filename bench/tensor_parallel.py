@@ -28,6 +28,8 @@ from cache_policy import cost_model as cm
 from cache_policy.layout import Layout, project
 from cache_policy.replay import ReplayConfig
 from cache_policy.synthetic import SyntheticSpec, generate
+from runtime.model.config import MoEConfig
+from runtime.parallel.shard import allreduces_per_layer
 
 LEVEL = dict(zipf_s=1.0, persistence=0.6, cross_layer=0.5)      # exp_k3.py's "local" routing
 GPUS = (1, 2, 4, 8)
@@ -55,13 +57,23 @@ def shape_dirs(root: str) -> dict:
     return out
 
 
-def fits(model_dir: str, gpus: int, context: int, batch: int) -> dict:
-    """runtime/plan.py's split for TP = gpus: whether every expert is resident, and the slots."""
+CONTEXT = 8192
+
+
+def hbm_split(model_dir: str, gpus: int, batch: int) -> "dict | None":
+    """runtime/plan.py's split of 90% of an H200 for TP = gpus at CONTEXT tokens x batch: expert slots per GPU
+    and whether every expert is resident; None where dense weights + KV do not fit at all."""
     from runtime.plan import plan_layouts
-    p = plan_layouts(model_dir, gpus=gpus, context=context, batch=batch, expert_format="mxfp4")
+    try:
+        p = plan_layouts(model_dir, gpus=gpus, context=CONTEXT, batch=batch, expert_format="mxfp4")
+    except ValueError:
+        return None
     row = next((s[0] for s in p["layouts"] if s[0]["layout"] == f"TP{gpus}"), None)
-    return {"all_resident": bool(row and row["split"]["all_resident"]), "slots": row["split"]["expert_slots"] if row else 0,
-            "experts_total": row["split"]["experts_total"] if row else 0, "dense": row["split"]["dense"] if row else None}
+    if row is None:
+        return None
+    sp = row["split"]
+    return {"slots": sp["expert_slots"], "experts_total": sp["experts_total"], "all_resident": sp["all_resident"],
+            "dense_GiB": sp["dense"] / 2 ** 30, "cache_GiB": sp["cache"] / 2 ** 30}
 
 
 def project_shapes(quick: bool, workdir: str) -> dict:
@@ -70,28 +82,32 @@ def project_shapes(quick: bool, workdir: str) -> dict:
     seqs, seq_len = (16, 16) if quick else (128, 32)
     out = {}
     jobs = [(n, g, b) for n in SHAPES for b in BATCHES for g in GPUS]
-    bar = tqdm(total=len(jobs) * 2, desc="projections", unit="run", file=sys.stderr)
+    bar = tqdm(total=len(jobs), desc="projections", unit="cell", file=sys.stderr)
     for name, (geo, _) in SHAPES.items():
         tr = generate(SyntheticSpec.with_geometry(geo, num_sequences=seqs, seq_len=seq_len, seed=7, **LEVEL))
         hidden = cm.MODEL_HIDDEN[geo]
+        mc = MoEConfig.from_hf(dirs[name])
+
+        def proj(cap: str, b: int, g: int) -> dict:
+            return project(tr, ReplayConfig(policy="lru", device_capacity=cap, geometry=geo, dtype="mxfp4"), b,
+                           Layout(tp=g), hidden=hidden, allreduces_per_layer=allreduces_per_layer(mc, g))
         rows = []
         for b in BATCHES:
             for g in GPUS:
-                tier = project(tr, ReplayConfig(policy="lru", device_capacity="0.25", geometry=geo, dtype="mxfp4"),
-                               b, Layout(tp=g), hidden=hidden)
-                bar.update()
-                f = fits(dirs[name], g, 32768, b)
-                res = None
-                if f["all_resident"]:
-                    res = project(tr, ReplayConfig(policy="lru", device_capacity="1.0", geometry=geo, dtype="mxfp4"),
-                                  b, Layout(tp=g), hidden=hidden)["tokens_per_s"]
-                bar.update()
+                tier = proj("0.25", b, g)
+                h = hbm_split(dirs[name], g, b)
+                hbm = proj(str(max(1, min(h["slots"], h["experts_total"]))), b, g) if h else None
+                res = proj("1.0", b, g)["tokens_per_s"] if h and h["all_resident"] else None
                 rows.append({"batch": b, "gpus": g, "tiered_tokens_per_s": tier["tokens_per_s"],
                              "device_hit_rate": tier["device_hit_rate"],
                              "MB_per_token_per_gpu": tier["bytes_per_token_per_gpu"] / 1e6,
-                             "all_resident_tokens_per_s": res, "fits_without_tiering": f["all_resident"],
-                             "slots_per_gpu_at_32k_context": f["slots"], "experts_total": f["experts_total"]})
-        out[name] = {"geometry": geo, "hidden": hidden, "rows": rows, "trace": tr.source}
+                             "hbm": None if h is None else {**h, "resident_share": h["slots"] / h["experts_total"],
+                                                            "tokens_per_s": hbm["tokens_per_s"],
+                                                            "device_hit_rate": hbm["device_hit_rate"]},
+                             "all_resident_tokens_per_s": res})
+                bar.update()
+        out[name] = {"geometry": geo, "hidden": hidden, "rows": rows, "trace": tr.source,
+                     "allreduces_per_layer_tp8": allreduces_per_layer(mc, 8)}
     bar.close()
     return out
 
@@ -105,6 +121,10 @@ def sensitivity(quick: bool) -> dict:
     base = ReplayConfig(policy="lru", device_capacity="0.25", geometry="kimi-k3", dtype="mxfp4")
     one = project(tr, base, 1, Layout(tp=1), hidden=7168)["tokens_per_s"]
 
+    from runtime.model.synthetic import K3_FULL, k3_config
+    k3 = MoEConfig.from_dict(k3_config(K3_FULL))
+    arl = allreduces_per_layer(k3, 8)
+
     def ratio(**mg):
         raw = json.loads(json.dumps(prof.raw))
         raw["multi_gpu"].update({k: v for k, v in mg.items() if k == "host_links"})
@@ -114,7 +134,7 @@ def sensitivity(quick: bool) -> dict:
             json.dump(raw, f)
         try:
             cfg = dataclasses.replace(base, profile=path)
-            return project(tr, cfg, 1, Layout(tp=8), hidden=7168)["tokens_per_s"] / one
+            return project(tr, cfg, 1, Layout(tp=8), hidden=7168, allreduces_per_layer=arl)["tokens_per_s"] / one
         finally:
             os.remove(path)
     out = {"profile": ratio(), "host_links_4": ratio(host_links=4)}
@@ -238,20 +258,24 @@ def main() -> None:
     sens = sensitivity(a.quick)
     rep.data.update({"projected": proj, "sensitivity": sens})
     rep.add("## Projected on one H200 node", "",
-            "Tensor-parallel ranks each hold their slice of every expert; tiering keeps 25% of the experts (as "
-            "slices) resident per GPU; 'all resident' is shown where runtime/plan.py's split of 90% of an H200 "
-            "(dense weights, KV for 32K tokens x the batch, experts) holds every expert. Synthetic routing with "
-            "locality (zipf 1.0, persistence 0.6, cross-layer 0.5), LRU.", "")
+            "Tensor-parallel ranks each hold their slice of every expert. Three capacities: '25%/GPU' keeps a "
+            "quarter of the experts (as slices) resident on each GPU whatever its memory (the goal's setting); "
+            f"'HBM' keeps what runtime/plan.py's split of 90% of an H200 leaves after the rank's dense weights and "
+            f"the KV cache and state for {CONTEXT:,} tokens x the batch (bf16); 'without tiering' every expert, "
+            "where that split holds them all. Synthetic routing with locality (zipf 1.0, persistence 0.6, "
+            "cross-layer 0.5), LRU.", "")
     for name, d in proj.items():
         rep.add(f"### {name}", "")
         base = {b: next(r["tiered_tokens_per_s"] for r in d["rows"] if r["batch"] == b and r["gpus"] == 1)
                 for b in BATCHES}
-        rep.table(["batch", "GPUs", "tiered tok/s", "x 1 GPU", "device hit", "MB/token/GPU", "all resident tok/s",
-                   "expert slots per GPU (32K ctx)"],
+        rep.table(["batch", "GPUs", "25%/GPU tok/s", "x 1 GPU", "device hit", "MB/token/GPU",
+                   "HBM: resident", "HBM: tok/s", "without tiering tok/s"],
                   [[r["batch"], r["gpus"], r["tiered_tokens_per_s"], r["tiered_tokens_per_s"] / base[r["batch"]],
                     r["device_hit_rate"], r["MB_per_token_per_gpu"],
-                    r["all_resident_tokens_per_s"] if r["fits_without_tiering"] else "does not fit",
-                    f"{r['slots_per_gpu_at_32k_context']:,} of {r['experts_total']:,}"] for r in d["rows"]])
+                    f"{r['hbm']['resident_share']:.1%}" if r["hbm"] else "dense + KV do not fit",
+                    r["hbm"]["tokens_per_s"] if r["hbm"] else "-",
+                    r["all_resident_tokens_per_s"] if r["all_resident_tokens_per_s"] else "does not fit"]
+                   for r in d["rows"]])
     k3 = proj["K3 MXFP4"]["rows"]
     r8 = next(r["tiered_tokens_per_s"] for r in k3 if r["batch"] == 1 and r["gpus"] == 8)
     r1 = next(r["tiered_tokens_per_s"] for r in k3 if r["batch"] == 1 and r["gpus"] == 1)
@@ -266,6 +290,15 @@ def main() -> None:
             + ", ".join(f"{k} us -> {v:.2f}x" for k, v in sens["by_allreduce_latency_us"].items()) + ".", "",
             "The multi-GPU figures are not measured here (one GPU's anchors only): see the h200 profile's "
             "multi_gpu section for their sources.", "")
+    from runtime.plan import format_plan, plan_layouts
+    dirs = shape_dirs(os.path.join(a.workdir, "shapes"))
+    rep.add("## tiered-moe plan for the two shapes (8 GPUs, 8,192 tokens x 8 sequences)", "")
+    rep.data["plans"] = {}
+    for name, d in dirs.items():
+        p = plan_layouts(d, gpus=8, context=CONTEXT, batch=8, expert_format="mxfp4")
+        rep.data["plans"][name] = p
+        rep.add(f"`tiered-moe plan --model {d} --expert-format mxfp4 --gpus 8 --context {CONTEXT} --batch 8`", "",
+                "```", format_plan(p), "```", "")
     rep.finish(plot(proj, None), "projected tokens/s by GPUs")
 
 

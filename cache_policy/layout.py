@@ -13,7 +13,7 @@ each with its source):
   (``host_links`` < GPUs) split their bandwidth. A rank computes 1/N of each expert (the profile's
   compute scales with parameters). Each layer adds two all-reduces of the step's hidden states
   (after attention and after the FFN): ``latency + 2 (N-1)/N x bytes / bus bandwidth`` (nccl-tests'
-  bus-bandwidth convention).
+  bus-bandwidth convention); a model whose attention is replicated (runtime/parallel/shard.py) has one.
 * **Pipeline parallelism (M stages)**: stage s holds a contiguous range of the MoE layers and places only
   those. A step of B sequences runs as m = min(B, M) micro-batches of ceil(B / m) sequences, replayed at
   that batch; stages overlap across micro-batches, so a step takes (m + M - 1) x the slowest stage's
@@ -113,7 +113,8 @@ def _link_seconds(prof: cm.HardwareProfile, n: np.ndarray, nbytes: int, share: f
 
 
 def stage_step_seconds(prof: cm.HardwareProfile, mg: MultiGPU, groups, run: dict, *, params: int, nbytes: int,
-                       L: int, tp: int, tokens: np.ndarray, hidden: int, act_bytes: int = 2) -> np.ndarray:
+                       L: int, tp: int, tokens: np.ndarray, hidden: int, act_bytes: int = 2,
+                       allreduces: float = 2.0) -> np.ndarray:
     """Per step, the seconds one rank spends on its layers: overlap model of cost_model.project_step_times,
     with the layout's links, compute and all-reduces. ``run``: replay._run_groups' records of the rank's
     placement; ``tokens``: tokens of each step."""
@@ -130,15 +131,18 @@ def stage_step_seconds(prof: cm.HardwareProfile, mg: MultiGPU, groups, run: dict
     dev = np.maximum(C, np.where(D > 0, D + c_min, 0.0))
     free = np.concatenate([[0.0], (dev - D)[:-1]])
     spill = np.maximum(0.0, P - free)
-    ar = np.repeat(np.array([2 * mg.allreduce_seconds(t * hidden * act_bytes, tp) for t in tokens]), L)
+    ar = np.repeat(np.array([allreduces * mg.allreduce_seconds(t * hidden * act_bytes, tp) for t in tokens]), L)
     dense = prof.non_expert_us_per_layer * 1e-6 / tp
     return (spill + dev + ar[:G] + dense).reshape(-1, L).sum(1)
 
 
-def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, progress=None) -> dict:
+def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, allreduces_per_layer: float = 2.0,
+            progress=None) -> dict:
     """Tokens/s of ``layout`` at ``batch`` (continuous batching of the trace's sequences). ``cfg``: a
     ReplayConfig (policy, prefetch, capacity per GPU - a fraction of the experts as slices, a count of
-    slices or bytes of HBM -, profile, expert size); ``hidden``: the model's hidden size (all-reduce bytes)."""
+    slices or bytes of HBM -, profile, expert size); ``hidden``: the model's hidden size (all-reduce bytes);
+    ``allreduces_per_layer``: the split sublayers of a layer on average (runtime/parallel/shard.py
+    ``allreduces_per_layer``: 2 with split attention and FFN; 1 where attention is replicated)."""
     from .replay import _expert_size, _run_groups, device_slots_for, make_policy_factory
     from .placement import TieredPlacement
     from .policies import LRU
@@ -176,7 +180,7 @@ def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, progr
             raise ValueError("layout projections take online policies and prefetchers (not belady / oracle)")
         run = _run_groups(groups, place, ctl, cost, None, wants, cfg, L, E, progress)
         t = stage_step_seconds(prof, mg, groups, run, params=int(params), nbytes=nbytes, L=L, tp=layout.tp,
-                               tokens=groups.batch_sizes, hidden=hidden)
+                               tokens=groups.batch_sizes, hidden=hidden, allreduces=allreduces_per_layer)
         dev_hits = run["R"][:, 0]
         acc = int(np.diff(groups.ptr).sum())
         stages.append({"layers": [a, b], "device_slots": dev_slots, "step_seconds": t,
@@ -203,6 +207,7 @@ def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, progr
             "device_slots_per_gpu": [s["device_slots"] for s in stages],
             "device_hit_rate": float(np.mean([s["device_hit_rate"] for s in stages])),
             "allreduce_us": 1e6 * mg.allreduce_seconds(batch * hidden * 2, layout.tp),
+            "allreduces_per_layer": allreduces_per_layer if layout.tp > 1 else 0.0,
             "steps": int(total_steps or 0), "profile": prof.name, "multi_gpu_source": mg.source,
             "expert_size_source": size["source"]}
 

@@ -140,7 +140,7 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
     from cache_policy.layout import Layout, MultiGPU, project, stage_ranges
     from cache_policy.replay import ReplayConfig
     from .model.config import MoEConfig
-    from .parallel.shard import Shard, plan, rank_manifest, shard_dense, stage_layers
+    from .parallel.shard import Shard, allreduces_per_layer, plan, rank_manifest, shard_dense, stage_layers
     if gpus < 1 or context < 1 or batch < 1:
         raise ValueError("--gpus, --context and --batch must be positive")
     if not 0 < utilization <= 1:
@@ -186,7 +186,8 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
         rc = ReplayConfig(policy=policy, scope="global", device_capacity=cap, profile=profile,
                           expert_bytes=m.blob_bytes, dtype=_cost_dtype(m))
         try:
-            pr = project(trace, rc, batch, Layout(tp, pp), hidden=cfg.hidden_size)
+            pr = project(trace, rc, batch, Layout(tp, pp), hidden=cfg.hidden_size,
+                         allreduces_per_layer=allreduces_per_layer(cfg, tp))
             for st in stages:
                 st.projected_tokens_per_s, st.device_hit_rate = pr["tokens_per_s"], pr["device_hit_rate"]
         except ValueError as e:

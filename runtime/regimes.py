@@ -84,8 +84,11 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
         from cache_policy.layout import Layout, project
         from .model.config import MoEConfig
         # per GPU: the same fraction of its stage's experts, as slices (what the live ranks held)
+        from .parallel.shard import allreduces_per_layer
+        mc = MoEConfig.from_hf(store_dir)
         lay = project(tr, dataclasses.replace(cfg, device_capacity=repr(slots / total)), batch,
-                      Layout(tensor_parallel, pipeline_parallel), hidden=MoEConfig.from_hf(store_dir).hidden_size)
+                      Layout(tensor_parallel, pipeline_parallel), hidden=mc.hidden_size,
+                      allreduces_per_layer=allreduces_per_layer(mc, tensor_parallel))
         layout = {"layout": lay["layout"], "tokens_per_s": lay["tokens_per_s"],
                   "MB_per_token_per_gpu": lay["bytes_per_token_per_gpu"] / 1e6,
                   "measured_h2d_bytes_per_token_per_rank": [b / max(1, tr.num_tokens) for b in per_rank]}

@@ -115,12 +115,12 @@ class Rank:
 
     def min(self, values: list) -> list:
         """The smallest of each value over every rank."""
-        t = torch.tensor(values, dtype=torch.int64)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device if self.backend == "nccl" else "cpu")
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         except RuntimeError as e:
             raise self.broken(e) from None
-        return t.tolist()
+        return t.cpu().tolist()
 
     def gather(self, obj) -> "list | None":
         """Every rank's ``obj``, on rank 0 (None elsewhere)."""

@@ -283,5 +283,15 @@ def stage_layers(cfg: MoEConfig, stages: int, stage: int) -> tuple:
     return (lo, hi), (a, b)
 
 
+
+def allreduces_per_layer(cfg: MoEConfig, world: int) -> float:
+    """All-reduces a layer costs on ``world`` tensor-parallel ranks, on average over the layers (one per split
+    sublayer: every FFN; the attention where its heads split) - what cache_policy/layout.py charges."""
+    if world <= 1:
+        return 0.0
+    p = plan(cfg, Shard(0, world))
+    return (sum(p.attn_split) + sum(p.ffn_split)) / cfg.num_layers
+
+
 __all__ = ["Shard", "ShardPlan", "plan", "shard_dense", "expert_weights", "slice_expert", "rank_bytes_fraction",
-           "rank_manifest", "stage_layers"]
+           "rank_manifest", "stage_layers", "allreduces_per_layer"]
