@@ -16,13 +16,16 @@ each with its source):
   bus-bandwidth convention); a model whose attention is replicated (runtime/parallel/shard.py) has one.
 * **Pipeline parallelism (M stages)**: stage s holds a contiguous range of the MoE layers and places only
   those. A step of B sequences runs as m = min(B, M) micro-batches of ceil(B / m) sequences, replayed at
-  that batch; stages overlap across micro-batches, so a step takes (m + M - 1) x the slowest stage's
-  micro-batch time plus a hop per stage boundary (``p2p_latency_us``). At batch 1 that is the sum of the
-  stages: pipeline parallelism adds memory, not speed.
+  that batch; stages overlap across micro-batches, so a step takes every stage's (slowest) micro-batch time
+  once plus m - 1 more of the slowest stage's - (m + M - 1) x one when the stages are equal - plus a hop per
+  stage boundary (``p2p_latency_us``). At batch 1 that is the sum of the stages: pipeline parallelism
+  adds memory, not speed.
 
-Not modelled: attention and dense compute (the profile's ``non_expert_us_per_layer``, 0 in the shipped
-profiles), hybrid host compute (layouts project the device path), and kernel-launch floors of small
-slices (compute scales linearly with a slice's parameters: optimistic at large N).
+Dense weights (attention, dense MLPs, shared experts, routers, the head) are charged where the caller knows
+the model (``dense_bytes``: what one rank reads per step, at the profile's HBM read rate - replicated parts
+cost every rank their whole bytes, split ones a slice); a bare trace leaves them out. Not modelled: attention
+over the cache (its reads grow with the context), hybrid host compute (layouts project the device path), and
+kernel-launch floors of small slices (compute scales linearly with a slice's parameters: optimistic at large N).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class MultiGPU:
     p2p_latency_us: float
     p2p_GBps: float
     source: str = ""
+    hbm_read_GBps: float = 0.0
 
     @staticmethod
     def of(profile: cm.HardwareProfile) -> "MultiGPU":
@@ -74,7 +78,8 @@ class MultiGPU:
             ic = d["interconnect"]
             return MultiGPU(int(d["gpus_per_node"]), int(d["hbm_bytes"]), int(d["host_links"]),
                             float(ic["allreduce_latency_us"]), float(ic["busbw_GBps"]), float(ic["p2p_latency_us"]),
-                            float(ic["p2p_GBps"]), source=str(d.get("cite", "")))
+                            float(ic["p2p_GBps"]), source=str(d.get("cite", "")),
+                            hbm_read_GBps=float(d.get("hbm_read_GBps", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"hardware profile {profile.name!r}: multi_gpu section is not readable ({e})") from None
 
@@ -137,12 +142,15 @@ def stage_step_seconds(prof: cm.HardwareProfile, mg: MultiGPU, groups, run: dict
 
 
 def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, allreduces_per_layer: float = 2.0,
-            progress=None) -> dict:
+            dense_bytes=0, progress=None) -> dict:
     """Tokens/s of ``layout`` at ``batch`` (continuous batching of the trace's sequences). ``cfg``: a
     ReplayConfig (policy, prefetch, capacity per GPU - a fraction of the experts as slices, a count of
     slices or bytes of HBM -, profile, expert size); ``hidden``: the model's hidden size (all-reduce bytes);
     ``allreduces_per_layer``: the split sublayers of a layer on average (runtime/parallel/shard.py
-    ``allreduces_per_layer``: 2 with split attention and FFN; 1 where attention is replicated)."""
+    ``allreduces_per_layer``: 2 with split attention and FFN; 1 where attention is replicated);
+    ``dense_bytes``: bytes of dense weights one rank reads per step (a number, or one per stage: runtime/plan.py
+    ``step_dense_bytes``), at the profile's ``hbm_read_GBps`` - decode's dense products read their weights
+    once per step; 0 (a trace without its model) leaves them out, an upper bound."""
     from .replay import _expert_size, _run_groups, device_slots_for, make_policy_factory
     from .placement import TieredPlacement
     from .policies import LRU
@@ -181,6 +189,11 @@ def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, allre
         run = _run_groups(groups, place, ctl, cost, None, wants, cfg, L, E, progress)
         t = stage_step_seconds(prof, mg, groups, run, params=int(params), nbytes=nbytes, L=L, tp=layout.tp,
                                tokens=groups.batch_sizes, hidden=hidden, allreduces=allreduces_per_layer)
+        db = dense_bytes[s] if isinstance(dense_bytes, (list, tuple)) else dense_bytes
+        if db:
+            if mg.hbm_read_GBps <= 0:
+                raise ValueError(f"profile {prof.name!r}: multi_gpu.hbm_read_GBps is needed to charge dense weights")
+            t = t + db / (mg.hbm_read_GBps * 1e9)
         dev_hits = run["R"][:, 0]
         acc = int(np.diff(groups.ptr).sum())
         stages.append({"layers": [a, b], "device_slots": dev_slots, "step_seconds": t,
@@ -198,8 +211,10 @@ def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, allre
         full = -(-n // m)
         padded = np.zeros((per.shape[0], full * m))
         padded[:, :n] = per
-        slow = padded.reshape(per.shape[0], full, m).max(0)              # each stage's slowest micro-batch
-        seconds = float(((m + layout.pp - 1) * slow.max(1)).sum() + full * (layout.pp - 1) * hop)
+        slow = padded.reshape(per.shape[0], full, m).max(2)              # slow: [stages, steps] slowest micro-batch
+        # m equal micro-batches through M stages in order finish after every stage once plus m - 1 more of
+        # the slowest (a flow shop's makespan): the sum of the stages at batch 1, (m + M - 1) x one when equal
+        seconds = float((slow.sum(0) + (m - 1) * slow.max(0)).sum() + full * (layout.pp - 1) * hop)
     moved = sum(s["h2d_slices"] for s in stages) * nbytes
     return {"layout": str(layout), "tp": layout.tp, "pp": layout.pp, "gpus": layout.gpus, "batch": batch,
             "micro_batches": m, "tokens_per_s": T / seconds if seconds > 0 else float("inf"),

@@ -57,6 +57,15 @@ def device_split(budget: int, dense: int, cache: int, slot_bytes: int, experts_t
                        room - slots * slot_bytes, int(experts_total))
 
 
+def step_dense_bytes(cfg, dense: dict, dtype, layers: set, first: bool, last: bool) -> int:
+    """Bytes of dense weights a rank reads per decode step: its stage's tensors (``dense``: the rank's, e.g. meta
+    tensors after shard_dense), less the embedding table, which a step reads a row of per token (unless the
+    head is tied to it), and less the hash-routing tables (a row per token)."""
+    names = [n for n in stage_tensors(cfg, dense, layers, first, last)
+             if not n.endswith("tid2eid") and (n != "model.embed_tokens.weight" or (last and cfg.tie_word_embeddings))]
+    return dense_bytes([dense[n] for n in names], dtype)
+
+
 def dense_bytes(tensors, dtype) -> int:
     """Bytes of the dense weights as the model holds them: floating-point tensors in the compute dtype, the
     rest (hash tables) as stored."""
@@ -163,7 +172,7 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
             skipped.append({"layout": str(Layout(tp, pp)), "why": str(e)})
             continue
         dense_all = shard_dense(cfg, p, dict(meta)) if tp > 1 else dict(meta)
-        stages = []
+        stages, step_bytes = [], []
         for s, (a, b) in enumerate(ranges):
             (lo, hi), _ = stage_layers(cfg, pp, s)
             layers = set(range(lo, hi))
@@ -176,6 +185,7 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
                 stages = None
                 skipped.append({"layout": str(Layout(tp, pp)), "why": f"stage {s}: {e}"})
                 break
+            step_bytes.append(step_dense_bytes(cfg, dense_all, dtype, layers, s == 0, s == pp - 1))
             stages.append(RankPlan(layout=str(Layout(tp, pp)), tp=tp, pp=pp, stage=s, layers=sorted(layers),
                                    split=split, host_bytes_per_node=(b - a) * m.num_experts * m.blob_stride,
                                    kv_per_rank_per_token=cache_bytes(p.cfg, dtype, 1, 1, layers)))
@@ -187,7 +197,7 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
                           expert_bytes=m.blob_bytes, dtype=_cost_dtype(m))
         try:
             pr = project(trace, rc, batch, Layout(tp, pp), hidden=cfg.hidden_size,
-                         allreduces_per_layer=allreduces_per_layer(cfg, tp))
+                         allreduces_per_layer=allreduces_per_layer(cfg, tp), dense_bytes=step_bytes)
             for st in stages:
                 st.projected_tokens_per_s, st.device_hit_rate = pr["tokens_per_s"], pr["device_hit_rate"]
         except ValueError as e:

@@ -84,11 +84,21 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
         from cache_policy.layout import Layout, project
         from .model.config import MoEConfig
         # per GPU: the same fraction of its stage's experts, as slices (what the live ranks held)
-        from .parallel.shard import allreduces_per_layer
+        from .parallel.shard import Shard, allreduces_per_layer, plan as shard_plan, shard_dense, stage_layers
+        from .plan import dense_shapes, step_dense_bytes
         mc = MoEConfig.from_hf(store_dir)
+        # dense weights one rank reads per step (rank 0: it also holds what does not divide), per stage
+        meta = dense_shapes(store_dir)
+        dense = shard_dense(mc, shard_plan(mc, Shard(0, tensor_parallel)), dict(meta)) if tensor_parallel > 1 \
+            else dict(meta)
+        dt = meta["model.embed_tokens.weight"].dtype
+        step = []
+        for st in range(pipeline_parallel):
+            (lo, hi), _ = stage_layers(mc, pipeline_parallel, st)
+            step.append(step_dense_bytes(mc, dense, dt, set(range(lo, hi)), st == 0, st == pipeline_parallel - 1))
         lay = project(tr, dataclasses.replace(cfg, device_capacity=repr(slots / total)), batch,
                       Layout(tensor_parallel, pipeline_parallel), hidden=mc.hidden_size,
-                      allreduces_per_layer=allreduces_per_layer(mc, tensor_parallel))
+                      allreduces_per_layer=allreduces_per_layer(mc, tensor_parallel), dense_bytes=step)
         layout = {"layout": lay["layout"], "tokens_per_s": lay["tokens_per_s"],
                   "MB_per_token_per_gpu": lay["bytes_per_token_per_gpu"] / 1e6,
                   "measured_h2d_bytes_per_token_per_rank": [b / max(1, tr.num_tokens) for b in per_rank]}

@@ -119,6 +119,14 @@ class Engine:
     def schedule(self) -> str:
         return self.scheduler.schedule_kind
 
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens (prompt + completion) one request may have: the context, or what the whole KV cache holds
+        when that is less - what a server advertises as the model's length and fills when a request names no
+        max_tokens."""
+        blocks = self.scheduler.blocks
+        return min(self.max_context, blocks.num_blocks * blocks.block_size)
+
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: list, params: "SamplingParams | None" = None) -> int:
         params = params or SamplingParams()

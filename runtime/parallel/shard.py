@@ -13,12 +13,16 @@ The split is the usual column / row one (Megatron-LM; vLLM's ``ColumnParallelLin
   whole heads, o by the same columns; o's bias on rank 0. With fewer kv heads than ranks, each rank
   keeps the kv head its q heads read (replicated, as vLLM does). MLA's latent projections and its
   latent cache are replicated (the cache cannot split by heads: it has none).
+* **linear attention** (Kimi Delta Attention, Gated DeltaNet): heads split - the q / k / v projections and
+  their short convolutions' channels, KDA's forget / output gates' second low-rank factors, ``dt_bias``,
+  ``A_log`` and the beta projection by the rank's heads (Gated DeltaNet: its key-head groups and their value
+  heads; Qwen3-Next's fused projection is already grouped that way), o by the same columns; the low-rank first
+  factors and the per-head output norm (over a head's channels) replicated. Each rank keeps its heads'
+  recurrent state: the state arena splits too.
 * **replicated**: embeddings, the head, norms, routers and their biases and hash tables, LatentMoE's
-  projections, hyper-connections, and the attention kinds whose math does not split by heads in one
-  all-reduce: linear attention (KDA, Gated DeltaNet: per-head state, but a gated output norm over
-  all heads), DeepSeek-V4's one shared K=V head, and GQA with a q/k RMSNorm over the whole
-  projection (OLMoE, MiniMax-M2: the norm's statistic spans every head). Those layers run the same
-  numbers on every rank; only their experts split.
+  projections, hyper-connections, and the attention kinds not split yet: DeepSeek-V4's one shared K=V head,
+  and GQA with a q/k RMSNorm over the whole projection (OLMoE, MiniMax-M2: the norm's statistic spans every
+  head, one more all-reduce). Those layers run the same numbers on every rank; only their experts split.
 
 Quantized experts split on their block boundaries (``WeightFormat.slice_parts``); a split that would
 cut a scale block or a packed word is refused with the numbers that cut it.
@@ -65,9 +69,13 @@ class ShardPlan:
     dense_mlp: str                   # split | rank0: dense MLP layers
     shared: str                      # split | rank0 | none: shared experts
     why_replicated: str = ""         # why attention is replicated, when it is
+    linear: str = "none"             # split | replicated | none: the linear-attention layers
 
     def summary(self) -> dict:
-        return {"attention": "heads split" if any(self.attn_split) else f"replicated ({self.why_replicated})",
+        lin = set(self.cfg.linear_layers)
+        soft = [s for i, s in enumerate(self.attn_split) if i not in lin]
+        return {"attention": "heads split" if any(soft) else f"replicated ({self.why_replicated})",
+                "linear_attention": self.linear,
                 "dense_mlp": self.dense_mlp, "shared_experts": self.shared,
                 "kv_heads_per_rank": len(self.kv_heads) if self.kv_heads else self.cfg.num_kv_heads}
 
@@ -113,9 +121,13 @@ def plan(cfg: MoEConfig, shard: Shard) -> ShardPlan:
         changes.update(shared_intermediate=0, shared_expert_gate=False)
     local = dataclasses.replace(cfg, **changes)
     lin = set(cfg.linear_layers)
-    attn_split = tuple(split_attn and i not in lin for i in range(cfg.num_layers))
+    linear = "none" if not lin else "split" if cfg.linear_num_heads % N == 0 else "replicated"
+    if linear == "split":
+        local = dataclasses.replace(local, linear_num_heads=cfg.linear_num_heads // N,
+                                    linear_num_v_heads=cfg.linear_num_v_heads // N)
+    attn_split = tuple((linear == "split") if i in lin else split_attn for i in range(cfg.num_layers))
     ffn_split = tuple(N > 1 for _ in range(cfg.num_layers))   # experts always split; dense MLPs split or rank 0's
-    return ShardPlan(shard, local, attn_split, ffn_split, kv_heads, dense_mlp, shared, why)
+    return ShardPlan(shard, local, attn_split, ffn_split, kv_heads, dense_mlp, shared, why, linear)
 
 
 # -- dense tensors ------------------------------------------------------------------------------
@@ -151,7 +163,9 @@ def shard_dense(cfg: MoEConfig, p: ShardPlan, dense: dict) -> dict:
         if pre + "input_layernorm.weight" not in out:
             continue                      # another pipeline stage's layer
         if p.attn_split[i]:
-            if cfg.attention == "mla":
+            if i in cfg.linear_layers:
+                (_kda if cfg.linear_kind == "kda" else _gdn)(cfg, out, pre + cfg.linear_prefix, p.shard)
+            elif cfg.attention == "mla":
                 _mla(cfg, out, pre + "self_attn.", p.shard)
             else:
                 _gqa(cfg, out, pre + "self_attn.", p)
@@ -192,6 +206,45 @@ def _mla(cfg: MoEConfig, out: dict, p: str, shard: Shard) -> None:
     out[q] = _rows(out[q], a * qk, b * qk)
     out[p + "kv_b_proj.weight"] = _rows(out[p + "kv_b_proj.weight"], a * kvw, b * kvw)
     out[p + "o_proj.weight"] = _cols(out[p + "o_proj.weight"], a * vd, b * vd)
+
+
+def _kda(cfg: MoEConfig, out: dict, p: str, shard: Shard) -> None:
+    """Kimi Delta Attention's tensors (the released names: runtime/model/arch/kimi_linear.py) for the rank's heads."""
+    a, b = shard.part(cfg.linear_num_heads)
+    K = cfg.linear_head_dim
+    for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+              "v_conv1d.weight", "f_b_proj.weight", "g_b_proj.weight", "dt_bias"):
+        out[p + n] = _rows(out[p + n], a * K, b * K)
+    out[p + "b_proj.weight"] = _rows(out[p + "b_proj.weight"], a, b)
+    out[p + "A_log"] = out[p + "A_log"][..., a:b, :].contiguous() if out[p + "A_log"].dim() == 4 else \
+        out[p + "A_log"][a:b].contiguous()
+    out[p + "o_proj.weight"] = _cols(out[p + "o_proj.weight"], a * K, b * K)
+
+
+def _gdn(cfg: MoEConfig, out: dict, p: str, shard: Shard) -> None:
+    """Gated DeltaNet's tensors (runtime/model/arch/qwen3_next.py's table) for the rank's key-head groups."""
+    Hk, Dk, Hv, Dv = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_num_v_heads, cfg.linear_value_head_dim
+    a, b = shard.part(Hk)
+    r = Hv // Hk                                         # value heads per key head
+    va, vb = a * r, b * r
+
+    def flat_qkv(t: torch.Tensor) -> torch.Tensor:      # rows (or conv channels) q | k | v, each flat over heads
+        q, k, v = t[:Hk * Dk], t[Hk * Dk:2 * Hk * Dk], t[2 * Hk * Dk:]
+        return torch.cat([q[a * Dk:b * Dk], k[a * Dk:b * Dk], v[va * Dv:vb * Dv]]).contiguous()
+    if p + "in_proj_qkvz.weight" in out:                 # Qwen3-Next: grouped per key head [q k v z] and [b a]
+        w = out[p + "in_proj_qkvz.weight"]
+        out[p + "in_proj_qkvz.weight"] = w.reshape(Hk, -1, w.shape[1])[a:b].reshape(-1, w.shape[1]).contiguous()
+        w = out[p + "in_proj_ba.weight"]
+        out[p + "in_proj_ba.weight"] = w.reshape(Hk, -1, w.shape[1])[a:b].reshape(-1, w.shape[1]).contiguous()
+    else:                                                # Qwen3.5: flat
+        out[p + "in_proj_qkv.weight"] = flat_qkv(out[p + "in_proj_qkv.weight"])
+        out[p + "in_proj_z.weight"] = _rows(out[p + "in_proj_z.weight"], va * Dv, vb * Dv)
+        for n in ("in_proj_b.weight", "in_proj_a.weight"):
+            out[p + n] = _rows(out[p + n], va, vb)
+    out[p + "conv1d.weight"] = flat_qkv(out[p + "conv1d.weight"])
+    for n in ("dt_bias", "A_log"):
+        out[p + n] = _rows(out[p + n], va, vb)
+    out[p + "out_proj.weight"] = _cols(out[p + "out_proj.weight"], va * Dv, vb * Dv)
 
 
 # -- experts ------------------------------------------------------------------------------------

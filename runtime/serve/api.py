@@ -53,7 +53,11 @@ class Server:
         self.engine = EngineClient(cfg, metrics=self.metrics, startup_timeout=startup_timeout,
                                    heartbeat_timeout=heartbeat_timeout, restart_wait=restart_wait)
         self.model_name = served_model_name or self.engine.info["model"]
-        self.max_context = self.engine.info["max_context"]
+        # The longest request the engine takes: the context, or less when the KV cache holds less (a request
+        # without max_tokens gets the room up to it; /v1/models advertises it as max_model_len).
+        self.max_context = min(self.engine.info["max_context"],
+                               self.engine.info.get("longest_sequence") or self.engine.info["max_context"])
+        self.model_context = self.engine.info["max_context"]
         self.vocab_size = self.engine.info["vocab_size"]
         self.created = int(time.time())
         try:
@@ -116,10 +120,15 @@ class Server:
         max_tokens = body.get(name)
         if max_tokens is None:
             max_tokens = min(default_max, room) if default_max else room
+            if max_tokens < 1:
+                raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens{self._why()}. "
+                                    f"However, the prompt has {prompt_len} tokens, leaving no room for a completion.",
+                               param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
         else:
             max_tokens = number({name: max_tokens}, name, None, lo=1, integer=True)
         if prompt_len + max_tokens > self.max_context:
-            raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens. However, you "
+            raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens{self._why()}. "
+                                f"However, you "
                                 f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                                 f"for the completion).", param="messages" if "messages" in body else "prompt",
                            code="context_length_exceeded")
@@ -129,6 +138,11 @@ class Server:
         seed = number(body, "seed", None, integer=True)
         return {"max_tokens": int(max_tokens), "temperature": float(temp), "top_p": float(top_p),
                 "top_k": 0 if top_k == -1 else int(top_k), "seed": seed}
+
+    def _why(self) -> str:
+        if self.max_context < self.model_context:
+            return f" (its context is {self.model_context}; this server's KV cache holds {self.max_context})"
+        return ""
 
     def completion_prompt(self, body: dict) -> list:
         p = body.get("prompt")
@@ -393,6 +407,7 @@ class _Events:
         self.srv, self.q, self.detok, self.t0, self.rid = srv, q, detok, t0, rid
         self.n, self.first, self.last = 0, None, None
         self.finished, self.open = False, True
+        self.failed = False        # the engine failed the request (or died): counted as an error, not an abort
         self.watch = None          # a task that ends when the client disconnects
 
     async def __aiter__(self):
@@ -407,6 +422,8 @@ class _Events:
                 continue
             if kind == "rejected":
                 raise ApiError(400, payload)
+            if kind in ("failed", "dead"):
+                self.failed = True
             if kind == "failed":
                 a.metrics.request_errors.labels("engine").inc()
                 raise ApiError(500, f"the engine failed this request: {payload}", type="server_error", code="engine_error")
@@ -467,7 +484,7 @@ class _Events:
         if self.open:
             self.srv.engine.abort(self.rid)      # frees a disconnected (or stop-string) request's KV and slot
         if not self.finished:
-            self.srv.metrics.requests.labels("abort").inc()
+            self.srv.metrics.requests.labels("error" if self.failed else "abort").inc()
 
 
 async def _disconnect(receive) -> None:

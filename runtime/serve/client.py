@@ -73,7 +73,10 @@ class EngineClient:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.serve.engine_proc", json.dumps(asdict(self.cfg)), self.to_engine,
-             self.from_engine, str(os.getpid())], env=env, stdin=subprocess.DEVNULL)
+             self.from_engine, str(os.getpid())], env=env, stdin=subprocess.DEVNULL,
+            # its own process group: a kill ends the engine and the ranks it spawned at once, a stuck or
+            # stopped rank included (the ranks' parent watch cannot run in a stopped process)
+            start_new_session=True)
         info = self._handshake(self.startup_timeout)
         self._last_heard = time.monotonic()
         self.alive = True
@@ -173,6 +176,8 @@ class EngineClient:
 
     def _kill(self) -> None:
         p = self.proc
+        if p is not None:
+            _kill_group(p)
         if p is not None and p.poll() is None:
             p.kill()
             try:
@@ -220,6 +225,7 @@ class EngineClient:
         self.last_exit = why
         if self.metrics:
             self.metrics.engine_up.set(0)
+            self.metrics.store.engine_gone()
         with self._qlock:
             for q in self._queues.values():
                 q.put(("dead", why, time.monotonic()))
@@ -256,8 +262,19 @@ class EngineClient:
                     p.wait(5)
                 except subprocess.TimeoutExpired:
                     pass
+        if p is not None:
+            _kill_group(p)        # ranks the engine left behind
         self.alive = False
         self.push.close(0)
         self.pull.close(0)
         self.ctx.term()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL what is left of the engine's process group (the engine leads it: start_new_session)."""
+    import signal
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass

@@ -83,7 +83,7 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
         per_rank = (lambda st: _rank_stats(eng, st)) if group is not None else (lambda st: st)
         mc = model.cfg
         push.send(encode("ready", model=os.path.basename(os.path.abspath(cfg.model)), vocab_size=mc.vocab_size,
-                         max_context=eng.max_context, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,
+                         max_context=eng.max_context, longest_sequence=eng.longest_sequence, num_layers=mc.num_moe_layers, num_experts=mc.num_experts,
                          pid=os.getpid(), stats=per_rank({**store.snapshot(), **_engine_stats(eng)})))
         iid_of: dict = {}   # front-end request id -> engine id
         rid_of: dict = {}

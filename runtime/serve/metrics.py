@@ -26,11 +26,42 @@ _SECONDS_SLOW = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# The keys of an engine's ``stats`` that are cumulative counters (the rest are gauges); under ``ranks`` each
+# rank's ``bytes`` and ``stall_seconds``.
+_COUNTER_KEYS = ("layer_hits", "bytes", "evictions", "prefetch", "preemptions", "computed", "host_compute_seconds",
+                 "load_errors")
+_RANK_COUNTER_KEYS = ("bytes", "stall_seconds")
+
+
+def _plus(a, b):
+    """a + b leaf by leaf (numbers, lists, dicts; a leaf missing on one side counts as 0)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a or {}, b or {}
+        return {k: _plus(a.get(k), b.get(k)) for k in {**a, **b}}
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        a, b = list(a or []), list(b or [])
+        n = max(len(a), len(b))
+        return [_plus(a[i] if i < len(a) else None, b[i] if i < len(b) else None) for i in range(n)]
+    return (a or 0) + (b or 0)
+
+
+def _zero(x):
+    """x's shape with every number 0."""
+    if isinstance(x, dict):
+        return {k: _zero(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_zero(v) for v in x]
+    return 0 if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+
+
 class _StoreCollector:
-    """Mirrors the engine's cumulative store counters and gauges (the latest ``stats``)."""
+    """Mirrors the engine's cumulative store counters and gauges (the latest ``stats``). An engine restarts
+    its counters at 0: what the engines before it counted is kept (``engine_gone``) and added, so a counter
+    the server exposes never goes backwards across restarts."""
 
     def __init__(self) -> None:
         self.stats: "dict | None" = None
+        self.base: dict = {}          # counters of engines that are gone
         self.lock = threading.Lock()
 
     def update(self, stats: dict) -> None:
@@ -39,9 +70,38 @@ class _StoreCollector:
                 stats = {**stats, "ranks": self.stats["ranks"]}   # per-rank figures come at most once a second
             self.stats = stats
 
-    def collect(self):
+    def engine_gone(self) -> None:
+        """The engine died: fold its last counters into the base; its gauges read 0 (nothing is resident, nothing
+        runs) until the next engine reports."""
         with self.lock:
             s = self.stats
+            if s is None:
+                return
+            self.stats = _zero(s)
+            done = {k: s[k] for k in _COUNTER_KEYS if k in s}
+            if s.get("ranks"):
+                done["ranks"] = [{k: r[k] for k in _RANK_COUNTER_KEYS if k in r} for r in s["ranks"]]
+            self.base = _plus(self.base, done)
+
+    def _view(self) -> "dict | None":
+        """The latest stats with the base added to their counters."""
+        with self.lock:
+            s, base = self.stats, self.base
+        if s is None:
+            return None
+        if not base:
+            return s
+        out = dict(s)
+        for k in _COUNTER_KEYS:
+            if k in s or k in base:
+                out[k] = _plus(base.get(k), s.get(k))
+        if s.get("ranks") and base.get("ranks"):
+            out["ranks"] = [{**r, **{k: _plus(b.get(k), r.get(k)) for k in _RANK_COUNTER_KEYS}}
+                            for r, b in zip(s["ranks"], base["ranks"] + [{}] * len(s["ranks"]))]
+        return out
+
+    def collect(self):
+        s = self._view()
         if s is None:
             return
         hits = CounterMetricFamily(P + "expert_hits", "Expert accesses found resident in a tier", labels=["tier", "layer"])
@@ -139,7 +199,8 @@ class ServerMetrics:
                              buckets=_SECONDS_SLOW, registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter(P + "requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter(P + "requests", "Finished requests by finish_reason: stop, length, abort (the client "
+                                "left or aborted), error (the engine failed it or died)", ["finish_reason"], registry=r)
         self.steps_total = Counter(P + "steps", "Engine steps", registry=r)
 
     def on_step(self, record: dict, stats: dict) -> None:

@@ -13,12 +13,12 @@ from cache_policy import cost_model as cm
 @pytest.fixture
 def flat(tmp_path):
     """A profile with round numbers: a flat 1 GB/s link, 100 us per reference expert at any token count,
-    an all-reduce of 10 us + bytes at 100 GB/s bus bandwidth, a 5 us stage hop."""
+    an all-reduce of 10 us + bytes at 100 GB/s bus bandwidth, a 5 us stage hop, HBM read at 100 GB/s."""
     p = tmp_path / "flat.json"
     p.write_text(json.dumps({
         "name": "flat", "host_to_device_GBps_by_copy_MiB": {"1": 1.0}, "disk_to_host_GBps": 0.5,
         "expert_compute_us_by_tokens": {"1": 100.0}, "reference_expert": {"params": 1000},
-        "multi_gpu": {"gpus_per_node": 8, "hbm_bytes": 10 ** 9, "host_links": 8,
+        "multi_gpu": {"gpus_per_node": 8, "hbm_bytes": 10 ** 9, "host_links": 8, "hbm_read_GBps": 100.0,
                       "interconnect": {"allreduce_latency_us": 10.0, "busbw_GBps": 100.0, "p2p_latency_us": 5.0,
                                        "p2p_GBps": 100.0}}}))
     return str(p)
@@ -47,6 +47,19 @@ def test_tensor_parallel_step_time_by_hand(flat):
         assert r["tokens_per_s"] == pytest.approx(2 / want), tp
         assert r["device_hit_rate"] == 0.0
         assert r["bytes_per_token_per_gpu"] == pytest.approx(8 * 1e6 / tp / 2)
+
+
+def test_dense_weights_are_read_once_per_step(flat):
+    """Dense weights add their bytes at the HBM read rate to every step of their stage: 2 steps x 1 MB at
+    100 GB/s on top of the expert time above; per stage, each stage's own bytes."""
+    cfg = ReplayConfig(policy="lru", scope="global", device_capacity="2", profile=flat, expert_bytes=1_000_000,
+                       dtype="fp8")
+    base = project(_trace(), cfg, 1, Layout(tp=2), hidden=64)
+    r = project(_trace(), cfg, 1, Layout(tp=2), hidden=64, dense_bytes=10 ** 6)
+    assert 2 / r["tokens_per_s"] == pytest.approx(2 / base["tokens_per_s"] + 2 * 1e6 / 100e9)
+    base = project(_trace(), cfg, 1, Layout(pp=2), hidden=64)
+    r = project(_trace(), cfg, 1, Layout(pp=2), hidden=64, dense_bytes=[10 ** 6, 3 * 10 ** 6])
+    assert 2 / r["tokens_per_s"] == pytest.approx(2 / base["tokens_per_s"] + 2 * 4e6 / 100e9)
 
 
 def test_pipeline_stages_by_hand(flat):
@@ -90,6 +103,12 @@ def test_layout_errors(flat):
         project(_trace(), cfg, 1, Layout(pp=3), hidden=8)
     with pytest.raises(ValueError, match="positive integer"):
         Layout(tp=0)
+    bare = json.loads(open(flat).read())
+    del bare["multi_gpu"]["hbm_read_GBps"]
+    open(flat, "w").write(json.dumps(bare))
+    cfg = ReplayConfig(policy="lru", device_capacity="2", profile=flat, expert_bytes=1_000_000, dtype="fp8")
+    with pytest.raises(ValueError, match="hbm_read_GBps is needed"):
+        project(_trace(), cfg, 1, Layout(tp=2), hidden=8, dense_bytes=1000)
     with pytest.raises(ValueError, match="no multi_gpu section"):
         MultiGPU.of(cm.load_profile("cpu"))
     assert stage_ranges(93, 4) == [(0, 23), (23, 46), (46, 70), (70, 93)]

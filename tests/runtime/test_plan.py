@@ -138,3 +138,40 @@ def test_plan_command(stores, capsys):
     assert main(["plan", "--model", stores["fp32"], "--gpus", "2", "--context", "256", "--batch", "4",
                  "--gpu-memory", "1KiB"]) == 2
     assert "no layout of 2 GPU(s)" in capsys.readouterr().err
+
+
+def test_step_dense_bytes_counts_what_a_step_reads(stores):
+    """Bytes read per decode step, counted by hand from the checkpoint's own tensors: every non-expert tensor
+    but the embedding table (a row per token; the head is untied here) at the compute dtype; two stages
+    split them, each stage its layers', the last the norm and head; tensor parallelism halves the split ones."""
+    from safetensors import safe_open
+    import glob
+    import os
+    from runtime.parallel.shard import shard_dense, stage_layers
+    from runtime.plan import dense_shapes, step_dense_bytes
+    cfg = MoEConfig.from_hf(stores["fp32"])
+    meta = dense_shapes(stores["fp32"])
+    per_layer, top, attn = {}, 0, 0
+    for f in glob.glob(os.path.join(stores["hf"], "*.safetensors")):
+        with safe_open(f, framework="pt") as fh:
+            for n in fh.keys():
+                if ".experts." in n or n == "model.embed_tokens.weight":
+                    continue
+                b = fh.get_slice(n).get_shape()
+                nb = 4 * int(torch.tensor(b).prod()) if b else 4
+                if n.startswith("model.layers."):
+                    i = int(n.split(".")[2])
+                    per_layer[i] = per_layer.get(i, 0) + nb
+                    attn += nb if ".self_attn." in n and n.endswith("_proj.weight") else 0
+                else:
+                    top += nb
+    everything = step_dense_bytes(cfg, meta, torch.float32, set(range(cfg.num_layers)), True, True)
+    assert everything == sum(per_layer.values()) + top
+    halves = []
+    for s in range(2):
+        (lo, hi), _ = stage_layers(cfg, 2, s)
+        halves.append(step_dense_bytes(cfg, meta, torch.float32, set(range(lo, hi)), s == 0, s == 1))
+        assert halves[-1] == sum(per_layer[i] for i in range(lo, hi)) + (top if s == 1 else 0)
+    rank = shard_dense(cfg, shard_plan(cfg, Shard(1, 2)), dict(meta))
+    tp2 = step_dense_bytes(cfg, rank, torch.float32, set(range(cfg.num_layers)), True, True)
+    assert tp2 == everything - attn // 2      # q/k/v/o by heads (4 heads, 2 kv heads); the rest whole per rank

@@ -207,6 +207,10 @@ def test_group_matches_one_process(arch_stores, world, stages):
                 # tile the model.
                 assert all(x["host_shared"] for x in lay) and not glob.glob(os.path.join(shm_dir(), "tiered-moe-host-*"))
                 assert lay[0]["layers"][0] == 0 and lay[-1]["layers"][1] == MoEConfig.from_hf(store_dir).num_layers
+                if arch == "kimi_linear":        # 4 KDA heads: split at 2 and 4 ranks, each rank its heads' state
+                    assert lay[0]["linear_attention"] == "split", lay[0]
+                if arch in ("qwen3_next", "qwen3_5_moe_text"):   # 2 key-head groups: split at 2 ranks, not at 4
+                    assert lay[0]["linear_attention"] == ("split" if world == 2 else "replicated"), lay[0]
                 assert all(lay[s * world]["layers"][1] == lay[(s + 1) * world]["layers"][0] for s in range(stages - 1))
                 if stages > 1:    # micro-batches request each layer once per micro-batch: other placement, same tokens
                     assert all(snaps[s * world]["bytes"]["host_to_device"] > 0 for s in range(stages)), what

@@ -168,12 +168,28 @@ def test_slow_header_client_does_not_block_others_and_times_out(tiny_store):
 
 
 @pytest.mark.slow
+def _counters(srv) -> dict:
+    """Every counter sample of /metrics (``_total``, and histograms' ``_count`` / ``_sum``): series -> value."""
+    import urllib.request
+    out = {}
+    for line in urllib.request.urlopen(srv.url + "/metrics").read().decode().splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        series, v = line.rsplit(" ", 1)
+        if series.split("{")[0].endswith(("_total", "_count", "_sum")):
+            out[series] = float(v)
+    return out
+
+
 def test_killed_engine_is_restarted_and_serves_again(tiny_store):
     """kill -9 mid-stream: that stream ends with an error event, the supervisor restarts the
-    engine, requests sent meanwhile wait for it, later requests succeed."""
+    engine, requests sent meanwhile wait for it, later requests succeed. No counter goes backwards
+    across the restart (the new engine's start at 0; the server keeps what the old one counted), and the
+    request the engine took down counts as an error, not as aborted by its client."""
     srv = start(tiny_store)
     tmp = srv.engine.tmp
     try:
+        ok(srv, key="no-key-needed")
         stream = client(srv, key="no-key-needed").completions.create(model=srv.model_name, prompt="go", max_tokens=3000,
                                                            temperature=0, stream=True)
         got = []
@@ -182,12 +198,19 @@ def test_killed_engine_is_restarted_and_serves_again(tiny_store):
             for i, ch in enumerate(stream):
                 got.append(ch)
                 if i == 3:
+                    before = _counters(srv)
                     os.kill(srv.engine.proc.pid, signal.SIGKILL)
         except Exception as e:  # noqa: BLE001 - the client raises the error event
             err = e
         assert err is not None and "engine" in str(err)
         ok(srv, key="no-key-needed")                               # waits for the restart, then succeeds
         wait_health(srv, 200)
+        after = _counters(srv)
+        assert any("expert_hits_total" in k and v > 0 for k, v in before.items())
+        back = {k: (v, after.get(k)) for k, v in before.items() if after.get(k, -1) < v}
+        assert not back, f"counters went backwards across the restart: {back}"
+        assert metric(srv, "tiered_moe_requests_total", {"finish_reason": "error"}) == 1
+        assert after.get('tiered_moe_requests_total{finish_reason="abort"}', 0) == 0
         assert metric(srv, "tiered_moe_engine_restarts_total") == 1
         assert metric(srv, "tiered_moe_engine_up") == 1
         assert json.loads(raw(srv, "GET", "/health", key=None)[1])["restarts"] == 1
@@ -293,7 +316,8 @@ def _children(pid: int) -> list:
 def test_tensor_parallel_server_serves_and_restarts_its_group_when_a_rank_dies(tiny_store, capfd):
     """serve --tensor-parallel 2: the same text as one process; per-rank metrics; a rank killed mid-stream
     breaks the group - that stream ends with an error, the supervisor restarts the whole group, the next
-    request succeeds and no rank process of the old group is left."""
+    request succeeds and no rank process of the old group is left. A rank that stalls (stopped) holds rank 0
+    in its collective: the heartbeat runs out, the group is killed - the stopped rank too - and restarted."""
     def text(srv):
         r = client(srv, key="no-key-needed").completions.create(model=srv.model_name, prompt="tensor parallel",
                                                                 max_tokens=8, temperature=0)
@@ -303,7 +327,7 @@ def test_tensor_parallel_server_serves_and_restarts_its_group_when_a_rank_dies(t
         want = text(one)
     finally:
         one.close()
-    srv = start(tiny_store, cfg={"tensor_parallel": 2})
+    srv = start(tiny_store, cfg={"tensor_parallel": 2}, heartbeat_timeout=10.0)
     try:
         assert text(srv) == want
         deadline = time.time() + 10
@@ -327,6 +351,14 @@ def test_tensor_parallel_server_serves_and_restarts_its_group_when_a_rank_dies(t
         assert "the tensor-parallel group broke (rank 1 exited with code -9)" in capfd.readouterr().err
         new = [p for p, cmd in _children(srv.engine.proc.pid) if "spawn_main" in cmd]
         assert len(new) == 1 and new != ranks
+        os.kill(new[0], signal.SIGSTOP)                             # stalls: alive, answers nothing
+        with pytest.raises(Exception, match="engine"):
+            text(srv)
+        assert text(srv) == want
+        assert metric(srv, "tiered_moe_engine_restarts_total") == 2
+        assert "the engine stopped answering" in capfd.readouterr().err
+        time.sleep(1.0)
+        assert not os.path.exists(f"/proc/{new[0]}"), "the stopped rank outlived its group"
     finally:
         srv.close()
     time.sleep(1.0)
