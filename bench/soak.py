@@ -118,7 +118,7 @@ def client_loop(srv, stats: Stats, deadline: float, seed: int) -> None:
             else:   # a client that sends a long request and goes away
                 s = socket.create_connection((srv.host, srv.port), timeout=10)
                 b = json.dumps({"model": m, "prompt": "bye", "max_tokens": 2000}).encode()
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b)
                 time.sleep(rng.uniform(0.1, 1.0))
                 s.close()

@@ -442,22 +442,44 @@ def cmd_serve(a) -> int:
             raise CliError(f"--api-key-file {a.api_key_file!r}: {e.strerror}") from None
         if not key:
             raise CliError(f"--api-key-file {a.api_key_file!r}: the first line is empty")
-    elif key is None and os.environ.get("TIERED_MOE_API_KEY"):
-        key = os.environ["TIERED_MOE_API_KEY"]
+    elif key is None and "TIERED_MOE_API_KEY" in os.environ:
+        key = os.environ["TIERED_MOE_API_KEY"].strip()
+        if not key:
+            raise CliError("TIERED_MOE_API_KEY is set but empty: set a key, or unset it to serve without one")
     if key is not None and not key:
         raise CliError("--api-key is empty")
     if key is None and a.host not in ("127.0.0.1", "localhost", "::1") and not a.host.startswith("127."):
         print(f"tiered-moe: WARNING: binding {a.host} without an API key: anyone who can reach this address can use "
               f"the model (set TIERED_MOE_API_KEY or --api-key-file)", file=sys.stderr)
     cfg = _runtime_config(a)
+    stop = threading.Event()
+
+    class _Stopped(BaseException):
+        pass
+
+    def on_signal(signum, frame):
+        # while the engine loads (minutes for a real model) a signal unwinds Server(): the engine client kills
+        # the engine and removes its sockets' folder; once serving, it ends the wait below
+        if srv_ready.is_set():
+            stop.set()
+        else:
+            raise _Stopped()
+    srv_ready = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    srv = None
     try:
         srv = Server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
-                     startup_timeout=a.startup_timeout, timeout=a.timeout, heartbeat_timeout=a.heartbeat_timeout)
+                     startup_timeout=a.startup_timeout, timeout=a.timeout, heartbeat_timeout=a.heartbeat_timeout,
+                     allowed_hosts=a.allowed_host)
+        srv_ready.set()
     except EngineError as e:
         raise CliError(str(e)) from None
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    except _Stopped:
+        if srv is not None:
+            srv.close()
+        print("tiered-moe: stopped while the engine was starting", file=sys.stderr)
+        return 0
     srv.start()
     print(f"tiered-moe: serving {srv.model_name!r} at {srv.url}/v1 (metrics at {srv.url}/metrics; chat template: "
           f"{srv.chat.source}); Ctrl-C stops", file=sys.stderr, flush=True)

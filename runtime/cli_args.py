@@ -245,6 +245,10 @@ def _serve(sub, commands: dict) -> None:
     sv.add_argument("--heartbeat-timeout", type=float, default=60.0,
                     help="seconds without a message from the engine before it is killed and restarted")
     sv.add_argument("--served-model-name", default=None, help="model id clients use (default: the store's name)")
+    sv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                    help="a name the Host header may carry (repeatable). Default: a keyless server on a loopback "
+                         "address answers only to localhost / 127.0.0.1 / ::1 (DNS rebinding protection); with an "
+                         "API key or a public address, any")
     _add_tier_args(sv)
     sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the engine to load")
     _add_engine_args(sv, max_batch=32)

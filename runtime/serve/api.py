@@ -34,6 +34,10 @@ from .client import EngineClient, EngineError
 from .metrics import ServerMetrics
 
 MAX_BODY = 8 << 20
+PREFIX_MARGIN = 64           # tokens a prefix's cut may add (Server.encode)
+TOKENIZE_AT_ONCE = 4         # requests tokenizing at the same time (Server.encode)
+HEALTH_SILENCE_S = 5.0       # the engine reports at least once a second
+HEALTH_FAILURES = 3          # requests failed by the engine in a row before /health says so
 
 
 class Server:
@@ -41,13 +45,20 @@ class Server:
 
     def __init__(self, cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: "str | None" = None,
                  served_model_name: "str | None" = None, startup_timeout: float = 300.0, timeout: float = 60.0,
-                 heartbeat_timeout: float = 60.0, restart_wait: float = 60.0, max_body: int = MAX_BODY) -> None:
+                 heartbeat_timeout: float = 60.0, restart_wait: float = 60.0, max_body: int = MAX_BODY,
+                 allowed_hosts: "list | None" = None) -> None:
+        """``allowed_hosts``: the names the ``Host`` header may carry (a web page's DNS-rebinding attack sends its
+        own); None: a keyless server on a loopback address takes only loopback names, any other takes any."""
         from ..tokenizer import Tokenizer
         self.cfg, self.api_key = cfg, api_key
+        if allowed_hosts is None and api_key is None and _loopback(host):
+            allowed_hosts = ["localhost", "127.0.0.1", "::1", host]
+        self.allowed_hosts = None if allowed_hosts is None else {h.strip("[]").lower() for h in allowed_hosts}
         self.tok = Tokenizer(cfg.model)
         if not self.tok.available:
             raise ValueError(f"{cfg.model}: no tokenizer.json; serving needs the checkpoint's tokenizer")
         self.chat = ChatFormatter(cfg.model)
+        self._tokenizing = threading.BoundedSemaphore(TOKENIZE_AT_ONCE)
         self.metrics = ServerMetrics()
         self.timeout, self.max_body = timeout, max_body
         self.engine = EngineClient(cfg, metrics=self.metrics, startup_timeout=startup_timeout,
@@ -72,13 +83,16 @@ class Server:
         self.host, self.port = self.sock.getsockname()[:2]
         self.uv = _uvicorn(self._app(), timeout)
         self._thread = None
+        self.open_requests = 0        # requests between submit and their end (the event loop's count)
+        self.failing = 0              # requests failed by the engine in a row (/health reports a failing engine)
 
     def _app(self):
         return _app_for(self)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def start(self) -> "Server":
         """Serve on a background thread (its own event loop); returns once it listens."""
@@ -96,6 +110,11 @@ class Server:
 
     def close(self) -> None:
         if self._thread is not None:
+            # open requests end first, each with an error (a stream: an error event and [DONE]), then the loop
+            self.engine.fail_all("the server is shutting down")
+            deadline = time.monotonic() + 2.0
+            while self.open_requests and time.monotonic() < deadline:
+                time.sleep(0.02)
             self.uv.should_exit = True
             self._thread.join(10)
         try:
@@ -187,18 +206,33 @@ class Server:
         return self.encode(text, "messages")
 
     def encode(self, text: str, param: str) -> list:
-        """Text -> ids; refuses text that cannot be valid UTF-8 (lone surrogates) and text so long
-        that it cannot fit the context whatever the tokenizer does (64 characters per token is
-        beyond any vocabulary's tokens), before spending the tokenizer's time on it."""
-        if len(text) > 64 * self.max_context:
-            raise ApiError(400, f"'{param}' has {len(text):,} characters: more than this model's context of "
-                                f"{self.max_context} tokens can hold", param=param, code="context_length_exceeded")
+        """Text -> ids; refuses text that cannot be valid UTF-8 (lone surrogates) and text too long for the
+        context without tokenizing all of it: past 64 characters per token nothing fits (beyond any
+        vocabulary's tokens); below that, growing prefixes are counted first (the context's length in
+        characters, then doubling), and one that already has more tokens than the context proves the whole text
+        too long. So a refused prompt costs the tokenizer at most about twice the context in tokens, not the
+        prompt's, and at most ``TOKENIZE_AT_ONCE`` requests tokenize at a time (the work is CPU-bound: more at
+        once only holds more memory): 48 prompts of 64x the context once took the front-end from 58 to 709 MB,
+        holding every one's full encoding."""
+        limit = self.max_context
+        too_long = ApiError(400, f"'{param}' has {len(text):,} characters: more than this model's context of "
+                                 f"{limit} tokens can hold", param=param, code="context_length_exceeded")
+        if len(text) > 64 * limit:
+            raise too_long
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ApiError(400, f"'{param}' is not valid Unicode text ({e.reason} at position {e.start})",
                            param=param) from None
-        return self.tok.encode(text)
+        with self._tokenizing:
+            n = limit + 1                 # a token has a character at least: shorter text always fits
+            while n < len(text):
+                # a prefix ends inside at most one pre-token of the whole text: its count exceeds the whole's share
+                # of that prefix by that piece at most (the margin)
+                if len(self.tok.encode(text[:n])) > limit + PREFIX_MARGIN:
+                    raise too_long
+                n *= 2
+            return self.tok.encode(text)
 
 
 
@@ -328,6 +362,11 @@ class _Routes:
             raise ApiError(400, f"bad Content-Length header ({n})")
         if n > srv.max_body:
             raise ApiError(413, f"request body of {n:,} bytes exceeds the limit of {srv.max_body:,}")
+        # JSON only: a web page can POST text/plain (or a form) to any address without asking first (no CORS
+        # preflight); application/json it cannot.
+        ct = request.headers.get("content-type")
+        if ct is not None and ct.split(";")[0].strip().lower() != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got {ct[:80]!r}")
         try:
             raw = await asyncio.wait_for(request.body(), srv.timeout)
         except asyncio.TimeoutError:
@@ -347,10 +386,19 @@ class _Routes:
 
     # -- endpoints ---------------------------------------------------------------------------------
     async def health(self, request):
+        """200 only while the engine answers and serves: 503 while it restarts, when it has sent nothing for 5 s
+        or 3 of its longest step), or when its last requests all failed."""
         e = self.srv.engine
-        if e.alive:
-            return _json(200, {"status": "ok", "restarts": e.restarts})
-        return _json(503, {"status": "engine restarting", "last_exit": e.last_exit, "restarts": e.restarts})
+        silent = time.monotonic() - e.last_heard
+        if not e.alive:
+            return _json(503, {"status": "engine restarting", "last_exit": e.last_exit, "restarts": e.restarts})
+        if silent > max(HEALTH_SILENCE_S, 3 * e.slowest_step):
+            return _json(503, {"status": "engine not answering", "silent_seconds": round(silent, 1),
+                               "restarts": e.restarts})
+        if self.srv.failing >= HEALTH_FAILURES:
+            return _json(503, {"status": "engine failing requests", "failed_in_a_row": self.srv.failing,
+                               "restarts": e.restarts})
+        return _json(200, {"status": "ok", "restarts": e.restarts})
 
     async def metrics(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -363,6 +411,16 @@ class _Routes:
         return _json(200, {"object": "list", "data": [{"id": a.model_name, "object": "model", "created": a.created,
                                                        "owned_by": "tiered-moe", "max_model_len": a.max_context}]})
 
+    async def model(self, request):
+        self.auth(request)
+        a = self.srv
+        m = request.path_params["model"]
+        if m != a.model_name:
+            raise ApiError(404, f"The model '{m}' does not exist; this server serves '{a.model_name}'", param="model",
+                           code="model_not_found")
+        return _json(200, {"id": a.model_name, "object": "model", "created": a.created, "owned_by": "tiered-moe",
+                           "max_model_len": a.max_context})
+
     async def generate(self, request, chat: bool):
         from starlette.concurrency import run_in_threadpool
         a = self.srv
@@ -373,9 +431,13 @@ class _Routes:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", param="stream")
-        so = body.get("stream_options") or {}
-        if not isinstance(so, dict):
+        so = body.get("stream_options")
+        if so is None:
+            so = {}
+        elif not isinstance(so, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+        elif not stream:
+            raise ApiError(400, "'stream_options' is only allowed with \"stream\": true", param="stream_options")
         include_usage = bool(so.get("include_usage", False))
         stops = stop_strings(body)
         # Tokenizing (and rendering a chat template) can take a while: off the event loop.
@@ -391,6 +453,7 @@ class _Routes:
             raise ApiError(503, str(e), type="server_error", code="engine_unavailable") from None
         a.metrics.prompt_tokens.inc(len(prompt))
         ev = _Events(a, q, Detokenizer(a.tok, stops), t0, rid)
+        a.open_requests += 1
         if stream:
             return _Stream(a, ev, chat, len(prompt), include_usage)
         try:
@@ -408,6 +471,7 @@ class _Events:
         self.n, self.first, self.last = 0, None, None
         self.finished, self.open = False, True
         self.failed = False        # the engine failed the request (or died): counted as an error, not an abort
+        self.closed = False
         self.watch = None          # a task that ends when the client disconnects
 
     async def __aiter__(self):
@@ -422,8 +486,12 @@ class _Events:
                 continue
             if kind == "rejected":
                 raise ApiError(400, payload)
+            if kind == "shutdown":
+                raise ApiError(503, payload, type="server_error", code="server_shutting_down")
             if kind in ("failed", "dead"):
                 self.failed = True
+            if kind == "failed":
+                a.failing += 1
             if kind == "failed":
                 a.metrics.request_errors.labels("engine").inc()
                 raise ApiError(500, f"the engine failed this request: {payload}", type="server_error", code="engine_error")
@@ -445,6 +513,7 @@ class _Events:
             if hit_stop:
                 reason = "stop"
             if reason is not None:
+                a.failing = 0
                 delta += self.detok.finish()
                 m.requests.labels(reason).inc()
                 self.finished = True
@@ -481,6 +550,10 @@ class _Events:
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.srv.open_requests -= 1
         if self.open:
             self.srv.engine.abort(self.rid)      # frees a disconnected (or stop-string) request's KV and slot
         if not self.finished:
@@ -579,7 +652,38 @@ def _app_for(srv: "Server"):
 
     routes = [Route("/health", r.health, methods=["GET"]), Route("/metrics", r.metrics, methods=["GET"]),
               Route("/v1/models", r.models, methods=["GET"]),
+              Route("/v1/models/{model:path}", r.model, methods=["GET"]),
               Route("/v1/completions", functools.partial(r.generate, chat=False), methods=["POST"]),
               Route("/v1/chat/completions", functools.partial(r.generate, chat=True), methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                        _ClientGone: gone, Exception: crash})
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                       _ClientGone: gone, Exception: crash})
+    app.router.redirect_slashes = False       # its 307 echoed the request's Host header; a wrong path is a 404
+    return _HostCheck(app, srv.allowed_hosts)
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class _HostCheck:
+    """ASGI wrapper: a request whose Host header names none of ``allowed`` gets a 403 (a page on evil.example whose
+    name an attacker re-points at 127.0.0.1 - DNS rebinding - sends Host: evil.example). None: no check."""
+
+    def __init__(self, app, allowed: "set | None") -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        if self.allowed is not None and scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+            if host is not None:
+                name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+                if name.lower() not in self.allowed:
+                    body = json.dumps(ApiError(403, f"Host {host[:100]!r} is not one this server answers to (DNS "
+                                                    f"rebinding protection); start it with --allowed-host {name[:60]}",
+                                               code="host_not_allowed").body()).encode()
+                    await send({"type": "http.response.start", "status": 403,
+                                "headers": [(b"content-type", b"application/json"), (b"server", b"tiered-moe"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+        await self.app(scope, receive, send)

@@ -55,6 +55,7 @@ class EngineClient:
         self.last_exit: "str | None" = None   # why the last engine went away
         self.heartbeat_timeout, self.restart_wait = heartbeat_timeout, restart_wait
         self.startup_timeout = startup_timeout
+        self.slowest_step = 0.0               # seconds of the longest engine step seen (/health's patience)
         try:
             self.info = self._start()
         except BaseException:
@@ -128,6 +129,17 @@ class EngineClient:
                 self._send(encode("abort", rid=rid))
             except EngineError:
                 pass
+
+    def fail_all(self, why: str) -> None:
+        """End every open request with ``why`` (the server is shutting down)."""
+        with self._qlock:
+            for q in self._queues.values():
+                q.put(("shutdown", why, time.monotonic()))
+            self._queues.clear()
+
+    @property
+    def last_heard(self) -> float:
+        return self._last_heard
 
     def release(self, rid: str) -> None:
         with self._qlock:
@@ -203,6 +215,8 @@ class EngineClient:
 
     def _dispatch(self, msg: dict) -> None:
         now = time.monotonic()
+        if msg["record"]:
+            self.slowest_step = max(self.slowest_step, float(msg["record"]["seconds"]))
         if self.metrics:
             self.metrics.on_step(msg["record"], msg["stats"])
         with self._qlock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 INT64 = 1 << 63           # integers that cross the msgpack wire as int64
+MAX_STOP_CHARS = 256
 
 
 class ApiError(Exception):
@@ -45,11 +46,16 @@ def stop_strings(body: dict) -> list:
         s = [s]
     if not isinstance(s, list) or not all(isinstance(x, str) and x for x in s) or len(s) > 4:
         raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 non-empty strings", param="stop")
+    long = [x for x in s if len(x) > MAX_STOP_CHARS]
+    if long:
+        # a stream holds back the last (longest stop - 1) characters: an unbounded stop would hold back everything
+        raise ApiError(400, f"'stop' strings may have up to {MAX_STOP_CHARS} characters, got {len(long[0]):,}",
+                       param="stop")
     return s
 
 
 def refuse_unsupported(body: dict) -> None:
-    if body.get("n", 1) != 1:
+    if number(body, "n", 1, lo=1, integer=True) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     if body.get("echo"):
         raise ApiError(400, "'echo' is not supported", param="echo")

@@ -134,6 +134,16 @@ class Manifest:
         got = {t.name: (t.shape, t.dtype) for t in m.tensors}
         if got != want:
             raise ValueError(f"{path}: the blob's tensors {got} do not encode its weights (expected {want})")
+        # each tensor inside the blob and none over another: a negative or overlapping offset would serve other
+        # bytes than the tensor's, under checksums that pass (they cover the blob, not the table)
+        prev = None
+        for t in sorted(m.tensors, key=lambda t: t.offset):
+            if t.offset < 0:
+                raise ValueError(f"{path}: tensor {t.name!r} has a negative offset ({t.offset})")
+            if prev is not None and t.offset < prev.offset + prev.nbytes:
+                raise ValueError(f"{path}: tensor {t.name!r} at offset {t.offset} overlaps {prev.name!r} "
+                                 f"(bytes {prev.offset}..{prev.offset + prev.nbytes})")
+            prev = t
         end = max((t.offset + t.nbytes for t in m.tensors), default=0)
         if end > m.blob_bytes or m.blob_bytes > m.blob_stride:
             raise ValueError(f"{path}: a tensor ends at byte {end} of a {m.blob_bytes}-byte blob (stride {m.blob_stride}): "
