@@ -228,7 +228,8 @@ def _init(rank: int, world: int, local_rank: int, local_world: int, init_method:
 def _worker_entry(rank: int, world: int, init_method: str, token: str, cfg: dict, ready, tp: int, pp: int) -> None:
     """A spawned rank: join the group, load its slice, run the engine loop rank 0 drives."""
     code = 0
-    _watch_parent(os.getppid())
+    from ..proc import watch_parent
+    watch_parent(os.getppid())    # rank 0's process gone (killed by a supervisor): end too
     try:
         ready.put(rank)                 # imported and alive: rank 0 may start the rendezvous
         r = _init(rank, world, rank, world, init_method, token, tp, pp)
@@ -243,19 +244,6 @@ def _worker_entry(rank: int, world: int, init_method: str, token: str, cfg: dict
             except Exception:  # noqa: BLE001
                 pass
     os._exit(code)
-
-
-def _watch_parent(parent: int) -> None:
-    """A spawned rank ends when rank 0's process is gone (killed by a supervisor, say) - also while it computes
-    or is stuck, when no collective would tell it."""
-    import threading
-
-    def watch():
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(3)
-    threading.Thread(target=watch, name="tiered-moe-parent-watch", daemon=True).start()
 
 
 class Group:

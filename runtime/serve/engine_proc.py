@@ -25,7 +25,8 @@ def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) ->
     """Entry point of the spawned engine process. Returns the exit code: 0 after a shutdown, 1
     when it failed (the supervisor in the front-end restarts it)."""
     import zmq
-    _watch_parent(parent_pid)
+    from ..proc import watch_parent
+    watch_parent(parent_pid)      # the front-end gone, also while the model loads: do not linger
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     push = ctx.socket(zmq.PUSH)
@@ -47,20 +48,6 @@ def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) ->
         push.close()
         ctx.term()
     return code
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """The engine ends when the front-end is gone - also while it loads the model (minutes for a real one), when
-    the serving loop's own check does not run yet."""
-    import threading
-    import time
-
-    def watch():
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                os._exit(3)
-    threading.Thread(target=watch, name="tiered-moe-parent-watch", daemon=True).start()
 
 
 def _engine_stats(eng) -> dict:
