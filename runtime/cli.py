@@ -369,9 +369,19 @@ def _runtime_config(a, max_active="args"):
         raise CliError(str(e)) from None
 
 
+def _resolve_model(a) -> None:
+    """--model as a store: a checkpoint folder's cached conversion (runtime/model/store_cache.py)."""
+    from .model.store_cache import resolve_model
+    try:
+        a.model = resolve_model(a.model, quantize=a.quantize, progress=True)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_generate(a) -> int:
     from .engine import SamplingParams
     from .tokenizer import Tokenizer
+    _resolve_model(a)
     tok = Tokenizer(a.model)
     if a.prompt_ids and a.prompt:
         raise CliError("give --prompt or --prompt-ids, not both")
@@ -448,6 +458,10 @@ def cmd_serve(a) -> int:
             raise CliError("TIERED_MOE_API_KEY is set but empty: set a key, or unset it to serve without one")
     if key is not None and not key:
         raise CliError("--api-key is empty")
+    given = a.model
+    _resolve_model(a)
+    if a.model != given and a.served_model_name is None:     # a checkpoint folder: clients see its name
+        a.served_model_name = os.path.basename(os.path.abspath(given).rstrip(os.sep))
     if key is None and a.host not in ("127.0.0.1", "localhost", "::1") and not a.host.startswith("127."):
         print(f"tiered-moe: WARNING: binding {a.host} without an API key: anyone who can reach this address can use "
               f"the model (set TIERED_MOE_API_KEY or --api-key-file)", file=sys.stderr)

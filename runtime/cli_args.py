@@ -216,9 +216,17 @@ def _convert(sub, commands: dict) -> None:
     c.set_defaults(func=commands['convert'])
 
 
+def _add_model_arg(p) -> None:
+    p.add_argument("--model", required=True, help="a store written by 'tiered-moe convert', or a Hugging Face checkpoint "
+                                                  "folder: converted on first use into $TIERED_MOE_CACHE (default "
+                                                  "~/.cache/tiered-moe/stores), reused until its files change")
+    p.add_argument("--quantize", choices=_QuantizeChoices(), default=None, metavar="FORMAT",
+                   help="with a checkpoint folder: its experts as FORMAT (%(choices)s) in the converted store")
+
+
 def _generate(sub, commands: dict) -> None:
     g = sub.add_parser("generate", help="generate text from a converted store")
-    g.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
+    _add_model_arg(g)
     g.add_argument("--prompt", action="append", help="prompt text (repeat for several, decoded as a batch)")
     g.add_argument("--prompt-ids", action="append", help="prompt as comma-separated token ids (repeat for several)")
     _add_tier_args(g)
@@ -235,7 +243,7 @@ def _generate(sub, commands: dict) -> None:
 
 def _serve(sub, commands: dict) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible server: HTTP front-end + engine process over ZeroMQ")
-    sv.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
+    _add_model_arg(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests (visible in ps: "
