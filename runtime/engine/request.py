@@ -24,15 +24,29 @@ class FinishReason:
 SAMPLING_EPS = 1e-5
 
 
+# The most alternatives a request may ask log-probabilities of (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprobs:
+    """A sampled token's log-probability under the model's distribution (its raw logits: before penalties,
+    biases and temperature - vLLM's default ``raw_logprobs``), and the ``k`` most likely tokens with theirs."""
+    logprob: float
+    top: list                         # [(token id, logprob)], most likely first
+
+
 @dataclass
 class StepOutput:
     """One request's result of one step: a new token (None while its prompt is still being fed),
-    and, when it finished, why; ``error`` names the cause of a failed request."""
+    and, when it finished, why; ``error`` names the cause of a failed request; ``logprobs`` when the
+    request asked for them."""
     request_id: int
     token: "int | None"
     finished: bool = False
     finish_reason: "str | None" = None
     error: "str | None" = None
+    logprobs: "TokenLogprobs | None" = None
 
 
 @dataclass
@@ -44,6 +58,11 @@ class SamplingParams:
     seed: "int | None" = None
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    logprobs: "int | None" = None     # None: none; k: the sampled token's log-probability and the k most likely
+    presence_penalty: float = 0.0     # subtracted from the logit of every token the output has (OpenAI)
+    frequency_penalty: float = 0.0    # ... times how often it has it
+    repetition_penalty: float = 1.0   # logits of tokens in the prompt or output: / p if positive, x p if not (CTRL)
+    logit_bias: "dict | None" = None  # token id -> added to its logit (a list of [id, bias] pairs is taken too)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -54,6 +73,59 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2 <= v <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 100):
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            try:
+                bias = {int(t): float(b) for t, b in pairs}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
+            bad = [b for b in bias.values() if not -100 <= b <= 100]
+            if bad:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[0]!r}")
+            self.logit_bias = bias or None
+
+    @property
+    def processes_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+
+def process_logits(logits: torch.Tensor, p: SamplingParams, prompt: list, output: list) -> torch.Tensor:
+    """The logits sampling sees, in vLLM's order: logit_bias, then the repetition penalty (prompt and output
+    tokens), then frequency and presence penalties (output tokens). logits: [vocab]; returns a new tensor."""
+    if not p.processes_logits:
+        return logits
+    V = logits.shape[-1]
+    x = logits.float().clone()
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if 0 <= t < V]       # an id outside the vocabulary biases nothing
+        if ids:
+            x[torch.tensor(ids, device=x.device)] += torch.tensor([p.logit_bias[t] for t in ids], device=x.device)
+    if p.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, device=x.device), minlength=V)[:V].to(x.dtype)   # counts: [vocab]
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def logprobs_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """``token``'s log-probability and the ``k`` most likely under softmax(logits). logits: [vocab]."""
+    lp = logits.float().log_softmax(-1)
+    top = lp.topk(k) if k else None
+    return TokenLogprobs(float(lp[token]), [] if top is None else
+                         [(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())])
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: "torch.Generator | None") -> int:

@@ -9,7 +9,7 @@ import numpy as np
 from cache_policy.keys import SCHEDULES
 
 from ..model.layers.cache import BlockManager, Sequence
-from .request import FinishReason, Request, SchedulerOutput, StepOutput, sample
+from .request import FinishReason, Request, SchedulerOutput, StepOutput, logprobs_of, process_logits, sample
 
 
 class Scheduler:
@@ -170,7 +170,7 @@ class Scheduler:
             if not s:
                 out.append(StepOutput(r.id, None))
                 continue
-            tok, err = pick
+            tok, err, lp = pick
             if err is not None:        # this request alone
                 out.append(self.fail(r, err))
                 ended.append(r)
@@ -184,7 +184,7 @@ class Scheduler:
                 r.finished, r.finish_reason = True, FinishReason.STOP
             elif len(r.output) >= p.max_tokens:
                 r.finished, r.finish_reason = True, FinishReason.LENGTH
-            out.append(StepOutput(r.id, tok, r.finished, r.finish_reason))
+            out.append(StepOutput(r.id, tok, r.finished, r.finish_reason, logprobs=lp))
             if r.finished:
                 self.running.remove(r)
                 self.blocks.release(r.seq)
@@ -193,11 +193,13 @@ class Scheduler:
 
     @staticmethod
     def _pick(r: Request, logits) -> tuple:
-        """(token, None) or (None, why sampling failed)."""
+        """(token, None, logprobs or None) or (None, why sampling failed, None)."""
         try:
-            return sample(logits, r.params, r.gen), None
+            p = r.params
+            tok = sample(process_logits(logits, p, r.prompt, r.output), p, r.gen)
+            return tok, None, (logprobs_of(logits, tok, p.logprobs) if p.logprobs is not None else None)
         except Exception as e:  # noqa: BLE001 - fails this request alone
-            return None, f"{type(e).__name__}: {e}"
+            return None, f"{type(e).__name__}: {e}", None
 
     @staticmethod
     def _advance(r: Request, n: int) -> bool:

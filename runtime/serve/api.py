@@ -35,6 +35,8 @@ from .metrics import ServerMetrics
 
 MAX_BODY = 8 << 20
 PREFIX_MARGIN = 64           # tokens a prefix's cut may add (Server.encode)
+MAX_N = 16                   # choices per request
+MAX_LOGIT_BIAS = 300         # logit_bias entries (OpenAI's limit)
 TOKENIZE_AT_ONCE = 4         # requests tokenizing at the same time (Server.encode)
 HEALTH_SILENCE_S = 5.0       # the engine reports at least once a second
 HEALTH_FAILURES = 3          # requests failed by the engine in a row before /health says so
@@ -155,8 +157,30 @@ class Server:
         top_p = number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
         top_k = number(body, "top_k", 0, lo=-1, integer=True)
         seed = number(body, "seed", None, integer=True)
-        return {"max_tokens": int(max_tokens), "temperature": float(temp), "top_p": float(top_p),
-                "top_k": 0 if top_k == -1 else int(top_k), "seed": seed}
+        out = {"max_tokens": int(max_tokens), "temperature": float(temp), "top_p": float(top_p),
+               "top_k": 0 if top_k == -1 else int(top_k), "seed": seed,
+               "n": int(number(body, "n", 1, lo=1, hi=MAX_N, integer=True)), "logprobs": _logprobs(body)}
+        for name in ("presence_penalty", "frequency_penalty"):
+            out[name] = float(number(body, name, 0.0, lo=-2, hi=2))
+        out["repetition_penalty"] = float(number(body, "repetition_penalty", 1.0, lo=0, hi=100, lo_open=True))
+        bias = body.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ApiError(400, "'logit_bias' must be an object of token id -> bias", param="logit_bias")
+            pairs = []
+            for t, v in bias.items():
+                try:
+                    tid = int(t)
+                except ValueError:
+                    raise ApiError(400, f"'logit_bias' keys must be token ids, got {t[:40]!r}", param="logit_bias") from None
+                if not 0 <= tid < self.vocab_size:
+                    raise ApiError(400, f"'logit_bias' token id {tid} is outside the vocabulary [0, {self.vocab_size})",
+                                   param="logit_bias")
+                pairs.append([tid, float(number({"logit_bias": v}, "logit_bias", None, lo=-100, hi=100))])
+            if len(pairs) > MAX_LOGIT_BIAS:
+                raise ApiError(400, f"'logit_bias' has {len(pairs)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+            out["logit_bias"] = pairs or None
+        return out
 
     def _why(self) -> str:
         if self.max_context < self.model_context:
@@ -443,39 +467,71 @@ class _Routes:
         # Tokenizing (and rendering a chat template) can take a while: off the event loop.
         prompt = await run_in_threadpool(a.chat_prompt if chat else a.completion_prompt, body)
         params = a.sampling(body, len(prompt), None if chat else 16)
+        n = params.pop("n")
+        k = params.get("logprobs")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         t0 = time.monotonic()
-        q: asyncio.Queue = asyncio.Queue()
+        evs = []
         try:
-            # waits (bounded) for an engine that is being restarted: in the pool, not on the loop
-            await run_in_threadpool(a.engine.submit, rid, prompt, params, _Sink(asyncio.get_running_loop(), q))
-        except EngineError as e:
-            raise ApiError(503, str(e), type="server_error", code="engine_unavailable") from None
-        a.metrics.prompt_tokens.inc(len(prompt))
-        ev = _Events(a, q, Detokenizer(a.tok, stops), t0, rid)
-        a.open_requests += 1
+            for i in range(n):
+                # n choices: n engine requests (a seed gives each its own: seed + i)
+                p = dict(params, seed=None if params["seed"] is None else (params["seed"] + i) % (1 << 63))
+                q: asyncio.Queue = asyncio.Queue()
+                sub = rid if n == 1 else f"{rid}-{i}"
+                try:
+                    # waits (bounded) for an engine that is being restarted: in the pool, not on the loop
+                    await run_in_threadpool(a.engine.submit, sub, prompt, p, _Sink(asyncio.get_running_loop(), q))
+                except EngineError as e:
+                    raise ApiError(503, str(e), type="server_error", code="engine_unavailable") from None
+                evs.append(_Events(a, q, Detokenizer(a.tok, stops), t0, sub, index=i))
+                a.open_requests += 1
+        except BaseException:
+            for ev in evs:
+                ev.close()
+            raise
+        a.metrics.prompt_tokens.inc(len(prompt) * n)
+        ch = _Choices(a, evs, chat, len(prompt), k)
         if stream:
-            return _Stream(a, ev, chat, len(prompt), include_usage)
+            return _Stream(a, ch, include_usage)
         try:
-            finish = await ev.collect(request)
-            return _json(200, ev.full(chat, finish, len(prompt)))
+            return _json(200, await ch.collect(request))
         finally:
-            ev.close()
+            ch.close()
+
+
+def _logprobs(body: dict) -> "int | None":
+    """How many alternatives per token the body asks log-probabilities of: chat's ``logprobs`` (a boolean)
+    with ``top_logprobs``; the completions API's ``logprobs`` (an integer). None: none asked for."""
+    from ..engine.request import MAX_LOGPROBS
+    lp = body.get("logprobs")
+    if "messages" in body:
+        if lp is not None and not isinstance(lp, bool):
+            raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
+        top = number(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
+        if top is not None and not lp:
+            raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
+        return (top or 0) if lp else None
+    if isinstance(lp, bool):
+        raise ApiError(400, "'logprobs' must be an integer (how many alternatives per token)", param="logprobs")
+    return number(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
 
 
 class _Events:
-    """One request's tokens as they arrive: text deltas, metrics, stop strings, errors."""
+    """One choice's tokens as they arrive: text deltas, their tokens' log-probabilities, metrics, stop strings,
+    errors."""
 
-    def __init__(self, srv: "Server", q: asyncio.Queue, detok: Detokenizer, t0: float, rid: str) -> None:
-        self.srv, self.q, self.detok, self.t0, self.rid = srv, q, detok, t0, rid
+    def __init__(self, srv: "Server", q: asyncio.Queue, detok: Detokenizer, t0: float, rid: str, index: int = 0) -> None:
+        self.srv, self.q, self.detok, self.t0, self.rid, self.index = srv, q, detok, t0, rid, index
         self.n, self.first, self.last = 0, None, None
         self.finished, self.open = False, True
         self.failed = False        # the engine failed the request (or died): counted as an error, not an abort
         self.closed = False
         self.watch = None          # a task that ends when the client disconnects
+        self.logprobs: list = []   # every token's [id, logprob, [[id, logprob], ...]] (when asked for)
+        self.pending = 0           # of those, not yet sent with a delta
 
     async def __aiter__(self):
-        """Yields (delta, finish_reason or None)."""
+        """Yields (delta, finish_reason or None, the log-probabilities of the tokens since the last delta)."""
         a = self.srv
         while True:
             try:
@@ -488,18 +544,17 @@ class _Events:
                 raise ApiError(400, payload)
             if kind == "shutdown":
                 raise ApiError(503, payload, type="server_error", code="server_shutting_down")
-            if kind in ("failed", "dead"):
+            if kind == "failed":
                 self.failed = True
-            if kind == "failed":
                 a.failing += 1
-            if kind == "failed":
                 a.metrics.request_errors.labels("engine").inc()
                 raise ApiError(500, f"the engine failed this request: {payload}", type="server_error", code="engine_error")
             if kind == "dead":
+                self.failed = True
                 a.metrics.request_errors.labels("engine_exit").inc()
                 raise ApiError(503, f"{payload}; it is being restarted - retry the request", type="server_error",
                                code="engine_unavailable")
-            tok, reason = payload
+            tok, reason, lp = payload
             m = a.metrics
             if self.first is None:
                 self.first = when
@@ -509,6 +564,9 @@ class _Events:
             self.last = when
             self.n += 1
             m.generation_tokens.inc()
+            if lp is not None:
+                self.logprobs.append([tok, lp[0], lp[1]])
+                self.pending += 1
             delta, hit_stop = self.detok.push(tok)
             if hit_stop:
                 reason = "stop"
@@ -520,34 +578,15 @@ class _Events:
                 m.e2e.observe(when - self.t0)
                 a.engine.release(self.rid)
                 self.open = hit_stop   # the engine still runs a request cut by a stop string: abort it
-                yield delta, reason
+                yield delta, reason, self._take()
                 return
-            yield delta, None
+            if delta:
+                yield delta, None, self._take()
 
-    async def collect(self, request) -> str:
-        """A non-streaming request: wait for the end, watching for the client going away (the
-        body is read, so the next ASGI message is the disconnect)."""
-        gone = self.watch = asyncio.ensure_future(_disconnect(request.receive))
-        try:
-            async for _, reason in self:
-                if reason is not None:
-                    return reason
-                if gone.done():
-                    raise _ClientGone()
-            return "length"
-        finally:
-            gone.cancel()
-
-    def full(self, chat: bool, finish: str, n_prompt: int) -> dict:
-        a = self.srv
-        text = self.detok.text
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": self.n, "total_tokens": n_prompt + self.n}
-        if chat:
-            return {"id": self.rid, "object": "chat.completion", "created": int(time.time()), "model": a.model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                 "finish_reason": finish}], "usage": usage}
-        return {"id": self.rid, "object": "text_completion", "created": int(time.time()), "model": a.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}
+    def _take(self) -> list:
+        out = self.logprobs[len(self.logprobs) - self.pending:] if self.pending else []
+        self.pending = 0
+        return out
 
     def close(self) -> None:
         if self.closed:
@@ -560,6 +599,118 @@ class _Events:
             self.srv.metrics.requests.labels("error" if self.failed else "abort").inc()
 
 
+class _Logprobs:
+    """OpenAI's logprobs objects from [token id, logprob, [[id, logprob], ...]] entries: chat's ``content``
+    list (token, logprob, bytes, top_logprobs) and the completions API's ``tokens`` / ``token_logprobs`` /
+    ``top_logprobs`` / ``text_offset``. A token's text is its own decoding (bytes: of that text, as vLLM)."""
+
+    def __init__(self, tok, chat: bool, k: int) -> None:
+        self.tok, self.chat, self.k = tok, chat, k
+        self.offset = 0          # completions: characters before the next token
+        self._text: dict = {}
+
+    def text(self, tid: int) -> str:
+        t = self._text.get(tid)
+        if t is None:
+            t = self._text[tid] = self.tok.decode([tid])
+        return t
+
+    def format(self, entries: list) -> "dict | None":
+        if self.chat:
+            def one(tid, lp):
+                t = self.text(tid)
+                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+            return {"content": [{**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]}
+                                for tid, lp, top in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp, top in entries:
+            t = self.text(tid)
+            out["tokens"].append(t)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self.text(i): v for i, v in top} if self.k else None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(t)
+        return out
+
+
+class _Choices:
+    """A request's ``n`` choices (n engine requests): collected together, or merged into one stream."""
+
+    def __init__(self, srv: "Server", evs: list, chat: bool, n_prompt: int, k: "int | None") -> None:
+        self.srv, self.evs, self.chat, self.n_prompt = srv, evs, chat, n_prompt
+        self.rid = evs[0].rid.rsplit("-", 1)[0] if len(evs) > 1 else evs[0].rid
+        self.lp = [_Logprobs(srv.tok, chat, k) if k is not None else None for _ in evs]
+
+    def usage(self) -> dict:
+        n = sum(ev.n for ev in self.evs)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+
+    def watch(self, receive) -> "asyncio.Future":
+        """One task that ends when the client disconnects, for every choice."""
+        gone = asyncio.ensure_future(_disconnect(receive))
+        for ev in self.evs:
+            ev.watch = gone
+        return gone
+
+    async def collect(self, request) -> dict:
+        """A non-streaming request: wait for every choice's end, watching for the client going away (the body
+        is read, so the next ASGI message is the disconnect)."""
+        gone = self.watch(request.receive)
+
+        async def one(ev) -> str:
+            async for _, reason, _ in ev:
+                if reason is not None:
+                    return reason
+                if gone.done():
+                    raise _ClientGone()
+            return "length"
+        try:
+            finishes = await asyncio.gather(*(one(ev) for ev in self.evs))
+        finally:
+            gone.cancel()
+        a, choices = self.srv, []
+        for ev, finish, lp in zip(self.evs, finishes, self.lp):
+            logprobs = lp.format(ev.logprobs) if lp is not None else None
+            if self.chat:
+                choices.append({"index": ev.index, "message": {"role": "assistant", "content": ev.detok.text},
+                                "logprobs": logprobs, "finish_reason": finish})
+            else:
+                choices.append({"index": ev.index, "text": ev.detok.text, "logprobs": logprobs, "finish_reason": finish})
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()), "model": a.model_name, "choices": choices, "usage": self.usage()}
+
+    async def merged(self):
+        """Every choice's (index, delta, finish_reason, logprobs entries) as they come; an error ends it."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(ev):
+            try:
+                async for delta, finish, lps in ev:
+                    await q.put((ev.index, delta, finish, lps))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await q.put(e)
+            finally:
+                await q.put(None)
+        tasks = [asyncio.ensure_future(pump(ev)) for ev in self.evs]
+        try:
+            left = len(tasks)
+            while left:
+                item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def close(self) -> None:
+        for ev in self.evs:
+            ev.close()
+
+
 async def _disconnect(receive) -> None:
     """Returns when the client disconnects (after the request body, receive() yields nothing else)."""
     while (await receive())["type"] != "http.disconnect":
@@ -570,15 +721,16 @@ class _Stream:
     """Server-sent events as a raw ASGI response: every write has a deadline (a client that stops
     reading is cut and its request aborted), and a disconnect stops the request at once."""
 
-    def __init__(self, srv: "Server", ev: _Events, chat: bool, n_prompt: int, include_usage: bool) -> None:
-        self.srv, self.ev, self.chat, self.n_prompt, self.include_usage = srv, ev, chat, n_prompt, include_usage
+    def __init__(self, srv: "Server", ch: _Choices, include_usage: bool) -> None:
+        self.srv, self.ch, self.include_usage = srv, ch, include_usage
 
     async def __call__(self, scope, receive, send) -> None:
-        a, ev = self.srv, self.ev
+        a, ch = self.srv, self.ch
+        chat = ch.chat
         created = int(time.time())
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        obj = "chat.completion.chunk" if chat else "text_completion"
         # The disconnect watch the events loop checks while it waits (as for a non-streaming request).
-        watch = ev.watch = asyncio.ensure_future(_disconnect(receive))
+        watch = ch.watch(receive)
 
         async def event(data) -> None:
             if watch.done():
@@ -590,14 +742,15 @@ class _Stream:
             except asyncio.TimeoutError:
                 raise _ClientGone() from None
 
-        def chunk(delta, finish, first=False) -> dict:
-            base = {"id": ev.rid, "object": obj, "created": created, "model": a.model_name}
-            if self.chat:
+        def chunk(index, delta, finish, lps, first=False) -> dict:
+            base = {"id": ch.rid, "object": obj, "created": created, "model": a.model_name}
+            lp = ch.lp[index].format(lps) if ch.lp[index] is not None and lps else None
+            if chat:
                 d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta or not finish else {})
-                ch = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                c = {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                ch = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-            out = {**base, "choices": [ch]}
+                c = {"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}
+            out = {**base, "choices": [c]}
             if self.include_usage:
                 out["usage"] = None
             return out
@@ -606,27 +759,25 @@ class _Stream:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                                     (b"server", b"tiered-moe")]})
-            if self.chat:
-                await event(chunk("", None, first=True))
+            if chat:
+                for ev in ch.evs:
+                    await event(chunk(ev.index, "", None, [], first=True))
             try:
-                async for delta, finish in ev:
+                async for index, delta, finish, lps in ch.merged():
                     if delta or finish:
-                        await event(chunk(delta, finish))
-                    if finish:
-                        break
+                        await event(chunk(index, delta, finish, lps))
             except ApiError as e:
                 await event(e.body())   # headers are gone: the error travels as an event, as OpenAI does
             if self.include_usage:
-                await event({"id": ev.rid, "object": obj, "created": created, "model": a.model_name, "choices": [],
-                             "usage": {"prompt_tokens": self.n_prompt, "completion_tokens": ev.n,
-                                       "total_tokens": self.n_prompt + ev.n}})
+                await event({"id": ch.rid, "object": obj, "created": created, "model": a.model_name, "choices": [],
+                             "usage": ch.usage()})
             await event(b"[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (_ClientGone, OSError):
             pass
         finally:
             watch.cancel()
-            ev.close()
+            ch.close()
 
 
 def _app_for(srv: "Server"):

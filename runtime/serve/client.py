@@ -228,10 +228,10 @@ class EngineClient:
                 q = self._queues.get(rid)
                 if q:
                     q.put(("failed", text, now))
-            for rid, tok, reason in msg["outputs"]:
+            for rid, tok, reason, lp in msg["outputs"]:
                 q = self._queues.get(rid)
                 if q:
-                    q.put(("token", (tok, reason), now))
+                    q.put(("token", (tok, reason, lp), now))
 
     def _engine_died(self, why: str) -> None:
         self.alive = False

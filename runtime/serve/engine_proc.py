@@ -125,7 +125,8 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
                     if o.finish_reason == FinishReason.ERROR:
                         failed.append([rid_of[o.request_id], o.error or "error"])
                     elif o.token is not None:
-                        outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason])
+                        lp = None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
+                        outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason, lp])
                     if o.finished:
                         eng.forget(o.request_id)
                         iid_of.pop(rid_of.pop(o.request_id), None)

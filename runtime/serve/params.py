@@ -55,16 +55,10 @@ def stop_strings(body: dict) -> list:
 
 
 def refuse_unsupported(body: dict) -> None:
-    if number(body, "n", 1, lo=1, integer=True) != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
     if body.get("echo"):
         raise ApiError(400, "'echo' is not supported", param="echo")
-    for name in ("logprobs", "top_logprobs", "best_of"):
-        if body.get(name) not in (None, False, 0, 1 if name == "best_of" else 0):
-            raise ApiError(400, f"'{name}' is not supported", param=name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise ApiError(400, f"'{name}' is not supported (only 0)", param=name)
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ApiError(400, "'best_of' is not supported (n choices are returned as they are)", param="best_of")
 
 
 class Detokenizer:

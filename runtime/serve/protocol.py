@@ -4,12 +4,14 @@ Each message is a msgpack map with a ``type`` field; ``decode`` checks the type 
 it needs, so a malformed frame is an error naming the field, not a crash later.
 
 front-end -> engine (PUSH -> PULL):
-  add      {rid: str, prompt: [int], params: {max_tokens, temperature, top_p, top_k, seed, stop_token_ids}}
+  add      {rid: str, prompt: [int], params: {max_tokens, temperature, top_p, top_k, seed, logprobs,
+            presence_penalty, frequency_penalty, repetition_penalty, logit_bias: [[id, bias]]}}
   abort    {rid: str}
   shutdown {}
 engine -> front-end (PUSH -> PULL):
   ready    {model: str, vocab_size: int, max_context: int, num_layers: int, num_experts: int, pid: int, stats: {...}}
-  step     {outputs: [[rid, token, finish_reason or None]], rejected: [[rid, message]],
+  step     {outputs: [[rid, token, finish_reason or None, logprobs or None]] (logprobs: [the token's,
+            [[id, logprob] of the most likely]]), rejected: [[rid, message]],
             failed: [[rid, message]] (requests the engine failed while serving them; it goes on),
             record: {...one step's record...}, stats: {...cumulative store counters and gauges...}}
             Sent after every step and at least once a second when idle: the front-end's heartbeat.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _FIELDS = {
     "add": {"rid": str, "prompt": list, "params": dict},

@@ -168,7 +168,14 @@ def test_32_concurrent_streams_are_not_mixed_up(server, tiny_store):
     ({"model": "@", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ({"model": "@", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "@", "prompt": "x", "stream": "yes"}, 400, "stream"),
-    ({"model": "@", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "@", "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": "@", "prompt": "x", "n": 1.0}, 400, "n"),
+    ({"model": "@", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "@", "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"model": "@", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "@", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": "@", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "@", "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"model": "@", "prompt": ""}, 400, "prompt"),
     ({"model": "@", "prompt": [1, 99999]}, 400, "prompt"),
     ({"model": "@", "prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt"),
@@ -191,6 +198,9 @@ def test_bad_completion_requests(server, body, status, param):
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_chat_requests(server, body, param):
     st, data = raw(server, "POST", "/v1/chat/completions", {"model": server.model_name, **body})

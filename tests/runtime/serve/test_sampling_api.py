@@ -1,0 +1,128 @@
+"""logprobs / top_logprobs, n, presence / frequency / repetition penalties and logit_bias through the server,
+each checked against a reference computed here from the model's own logits (issue 21)."""
+import json
+
+import pytest
+import torch
+
+from servehelp import KEY
+from test_server import client, raw  # noqa: E402  (same folder)
+
+PROMPT = [5, 9, 2, 7]
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_store):
+    """The model's last-token logits for any token list, in-process (one forward per call)."""
+    from runtime.engine import Engine
+    from runtime.model import load_model
+    model, st = load_model(tiny_store[1])
+    eng = Engine(model, st)
+    yield lambda ids: eng.score([list(ids)])[0].float()
+    st.close()
+
+
+def _penalized(logits, prompt, out, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    """OpenAI's / vLLM's definitions, written out token by token."""
+    x = logits.clone()
+    for t, b in (bias or {}).items():
+        x[t] += b
+    for t in set(prompt) | set(out):
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t in set(out):
+        x[t] -= frequency * out.count(t) + presence
+    return x
+
+
+def _complete(server, **body):
+    st, data = raw(server, "POST", "/v1/completions", {"model": server.model_name, "prompt": PROMPT, "temperature": 0,
+                                                        "max_tokens": 6, **body})
+    assert st == 200, data
+    return json.loads(data)
+
+
+def test_completion_logprobs_are_the_models(server, ref):
+    r = _complete(server, logprobs=5)["choices"][0]
+    lp = r["logprobs"]
+    ids = []
+    for i, (tok_text, tok_lp, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])):
+        want = ref(PROMPT + ids).log_softmax(-1)
+        best = int(want.argmax())                        # greedy: the sampled token is the most likely
+        assert tok_text == server.tok.decode([best])
+        assert tok_lp == pytest.approx(float(want[best]), abs=1e-4)
+        vals, idx = want.topk(5)
+        assert list(top.values()) == pytest.approx(vals.tolist(), abs=1e-4)
+        assert len(top) == len({server.tok.decode([int(j)]) for j in idx})
+        ids.append(best)
+    assert len(lp["tokens"]) == 6 and "".join(lp["tokens"]) == r["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+
+
+def test_chat_logprobs_with_the_official_client_streamed_and_not(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "hello there"}]
+    full = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                     top_logprobs=3)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(x.top_logprobs) == 3 for x in content)
+    assert all(x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob >= x.top_logprobs[2].logprob for x in content)
+    assert all(x.logprob == pytest.approx(x.top_logprobs[0].logprob) for x in content)     # greedy
+    assert "".join(x.token for x in content) == full.choices[0].message.content
+    assert all(bytes(x.bytes).decode() == x.token for x in content)
+    streamed = []
+    for ch in c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=5, temperature=0,
+                                        logprobs=True, top_logprobs=3, stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+    plain = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("knobs", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+                                   dict(repetition_penalty=1.8), dict(frequency_penalty=-0.5, presence_penalty=0.7,
+                                                                      repetition_penalty=1.2)])
+def test_penalties_follow_their_definitions(server, ref, knobs):
+    """Greedy with penalties: each token is the argmax of the model's logits as penalized by the formula above."""
+    r = _complete(server, logprobs=0, max_tokens=8, **knobs)["choices"][0]
+    out = []
+    for _ in range(8):
+        x = _penalized(ref(PROMPT + out), PROMPT, out, presence=knobs.get("presence_penalty", 0.0),
+                       frequency=knobs.get("frequency_penalty", 0.0), repetition=knobs.get("repetition_penalty", 1.0))
+        out.append(int(x.argmax()))
+    assert r["logprobs"]["tokens"] == [server.tok.decode([t]) for t in out]
+    plain = _complete(server, logprobs=0, max_tokens=8)["choices"][0]["logprobs"]["tokens"]
+    assert plain != r["logprobs"]["tokens"] or len(set(out)) == 1, "the penalty changed nothing"
+
+
+def test_logit_bias(server, ref):
+    out = []
+    r = _complete(server, logprobs=0, logit_bias={"11": 100, "3": -100})["choices"][0]
+    for _ in range(6):
+        out.append(int(_penalized(ref(PROMPT + out), PROMPT, out, bias={11: 100.0, 3: -100.0}).argmax()))
+    assert out == [11] * 6
+    assert r["logprobs"]["tokens"] == [server.tok.decode([t]) for t in out]
+    # the logprobs stay the model's own (vLLM's raw_logprobs): the bias does not make token 11 certain
+    assert r["logprobs"]["token_logprobs"][0] == pytest.approx(float(ref(PROMPT).log_softmax(-1)[11]), abs=1e-4)
+
+
+def test_n_choices(server):
+    """n choices: greedy ones are equal; seeded ones are the n=1 requests with seeds seed, seed + 1, ..."""
+    r = _complete(server, n=3)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in r["choices"]}) == 1 and r["usage"]["completion_tokens"] == 18
+    many = _complete(server, n=3, temperature=1.5, seed=41, max_tokens=10)["choices"]
+    one = [_complete(server, temperature=1.5, seed=41 + i, max_tokens=10)["choices"][0]["text"] for i in range(3)]
+    assert [c["text"] for c in many] == one
+    # streamed: every chunk names its choice, and each choice's deltas add up to its text
+    import http.client
+    c = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps({"model": server.model_name, "prompt": PROMPT, "n": 3,
+                                                      "temperature": 1.5, "seed": 41, "max_tokens": 10, "stream": True}),
+              {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    texts = ["", "", ""]
+    for line in c.getresponse().read().decode().splitlines():
+        if line.startswith("data: {"):
+            for ch in json.loads(line[6:])["choices"]:
+                texts[ch["index"]] += ch["text"]
+    assert texts == one
