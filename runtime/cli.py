@@ -361,6 +361,7 @@ def _runtime_config(a, max_active="args"):
                              threads=getattr(a, "threads", None), cache_bonus=a.cache_bonus, schedule=a.schedule,
                              max_active=a.max_active if max_active == "args" else max_active,
                              cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
+                             prefix_caching=not getattr(a, "no_prefix_caching", False),
                              profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "none"),
                              dense_quant=getattr(a, "dense_quant", "none"),
                              tensor_parallel=getattr(a, "tensor_parallel", 1),

@@ -127,6 +127,9 @@ def _add_engine_args(p, max_batch: int) -> None:
                         "stage to stage, micro-batches so stages overlap at batch > 1; across nodes with torchrun "
                         "(README: multi-node)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per sequence per step")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM; "
+                        "models with per-sequence state - linear attention, sliding windows - never reuse)")
     _add_threads(p)
     _add_cache_bonus(p)
     _add_schedule(p)

@@ -31,6 +31,7 @@ class RuntimeConfig:
     dense_quant: str = "none"            # none | int8 | int4: non-expert projections quantized at load (layers/dense.py)
     tensor_parallel: int = 1             # ranks that split every expert and the attention heads (runtime/parallel)
     pipeline_parallel: int = 1           # stages of consecutive layers (x tensor_parallel ranks each)
+    prefix_caching: bool = True          # reuse the KV blocks of cached prompt prefixes (BlockManager)
 
     def __post_init__(self) -> None:
         from cache_policy.cost_model import load_profile
@@ -122,4 +123,5 @@ class RuntimeConfig:
         max_active = None if max_active is None else max(max_active, batch)
         return Engine(model, store, max_batch=batch, prefill_chunk=self.prefill_chunk, prefetch=self.prefetch,
                       cache_bonus=self.cache_bonus, schedule=self.schedule, max_active=max_active,
-                      prefetch_rule=self.prefetch_rule, keep_records=keep_records)
+                      prefetch_rule=self.prefetch_rule, keep_records=keep_records,
+                      prefix_caching=self.prefix_caching)

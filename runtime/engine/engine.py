@@ -29,7 +29,7 @@ class Engine:
     def __init__(self, model, store, *, max_batch: int = 16, prefill_chunk: int = 64, prefetch: str = "none",
                  prefetch_budget: "int | None" = None, max_context: "int | None" = None,
                  schedule: str = "fcfs", max_active: "int | None" = None, cache_bonus: float = 0.0,
-                 prefetch_rule: str = "cost", keep_records: bool = True) -> None:
+                 prefetch_rule: str = "cost", keep_records: bool = True, prefix_caching: bool = True) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be positive")
         if schedule not in SCHEDULES:
@@ -85,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(lambda: self.model.kv.manager, max_batch=max_batch, max_active=max_active,
                                    prefill_chunk=prefill_chunk, step_tokens=self._step_tokens(max_batch),
                                    schedule=schedule, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
-                                   eos_token_ids=cfg.eos_token_ids)
+                                   eos_token_ids=cfg.eos_token_ids, prefix_caching=prefix_caching)
 
     def _step_tokens(self, max_batch: int) -> "int | None":
         """A layer whose experts exceed the device tier runs in waves - which needs a host tier that

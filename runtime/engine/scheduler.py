@@ -15,7 +15,7 @@ from .request import FinishReason, Request, SchedulerOutput, StepOutput, logprob
 class Scheduler:
     def __init__(self, blocks, *, max_batch: int, max_active: int, prefill_chunk: int,
                  step_tokens: "int | None", schedule: str, num_moe_layers: int, num_experts: int,
-                 eos_token_ids=()) -> None:
+                 eos_token_ids=(), prefix_caching: bool = False) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose {' or '.join(SCHEDULES)}")
         # The cache's BlockManager, or a callable that returns the current one (the engine's: a model
@@ -34,6 +34,10 @@ class Scheduler:
         # Tensor-parallel ranks (runtime/parallel/group.py): callable(picks) -> rank 0's picks, so every rank
         # applies the tokens one rank sampled. None: a single process.
         self.token_sync = None
+        # Prefix caching (BlockManager.match / register): a request starts from the cached blocks of its
+        # prompt's longest cached prefix. Not for models with per-sequence state (linear attention, sliding-window
+        # rings, DeepSeek-V4's compressed caches): their state at a block boundary is not kept.
+        self.prefix_caching = prefix_caching
 
     @property
     def blocks(self) -> BlockManager:
@@ -96,6 +100,8 @@ class Scheduler:
         free, seqs = self.blocks.free_blocks, self.blocks.free_sequences   # seqs None: no per-sequence state
         while self.waiting and len(self.running) < self.max_active:
             r = self.waiting[0]
+            if self.prefix_caching and self._prefix_in_flight(r):
+                break                     # its prefix is being computed by a running request: wait for its blocks
             need = self.blocks.blocks_for(len(r.recompute or r.prompt) + 1)
             if (need > free or seqs == 0) and self.running:
                 break
@@ -103,6 +109,22 @@ class Scheduler:
             if seqs is not None:
                 seqs -= 1
             self.running.append(self.waiting.pop(0))
+            if self.prefix_caching and not self.blocks.state_slots:
+                hit = self.blocks.match(r.seq, r.recompute if r.recompute is not None else r.prompt)
+                if hit:
+                    r.fed = hit           # the cached prefix is in the cache already: feed the rest
+
+    def _prefix_in_flight(self, r: Request) -> bool:
+        """Whether a running request still feeding its prompt starts with the same first block as ``r``:
+        admitted now, ``r`` would compute that prefix again; a few steps later it finds it cached (a burst of
+        chat requests with one system prompt computes it once)."""
+        bs = self.blocks.block_size
+        src = r.recompute if r.recompute is not None else r.prompt
+        if self.blocks.state_slots or len(src) <= bs:
+            return False
+        head = src[:bs]
+        return any(not self.decoding(x) and (x.recompute if x.recompute is not None else x.prompt)[:bs] == head
+                   and x.fed < len(x.recompute if x.recompute is not None else x.prompt) for x in self.running)
 
     def _next_chunk(self, r: Request, budget: "int | None") -> "list | None":
         if self.decoding(r):
@@ -166,6 +188,11 @@ class Scheduler:
             if logits is not None else [None] * len(sampled)
         if self.token_sync is not None:
             picks = self.token_sync(picks)
+        if self.prefix_caching:
+            bs = self.blocks.block_size
+            for r in sched.requests:      # full blocks fed this step join the prefix cache
+                if r.seq.length // bs > r.seq.hashed:
+                    self.blocks.register(r.seq, r.prompt + r.output)
         for r, s, pick in zip(sched.requests, sampled, picks):
             if not s:
                 out.append(StepOutput(r.id, None))

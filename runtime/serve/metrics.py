@@ -29,7 +29,7 @@ _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # The keys of an engine's ``stats`` that are cumulative counters (the rest are gauges); under ``ranks`` each
 # rank's ``bytes`` and ``stall_seconds``.
 _COUNTER_KEYS = ("layer_hits", "bytes", "evictions", "prefetch", "preemptions", "computed", "host_compute_seconds",
-                 "load_errors")
+                 "load_errors", "prefix_cache")
 _RANK_COUNTER_KEYS = ("bytes", "stall_seconds")
 
 
@@ -142,6 +142,11 @@ class _StoreCollector:
             yield GaugeMetricFamily(P + "kv_cache_bytes", "Bytes of the preallocated KV cache", value=s["kv_blocks"]["bytes"])
             yield CounterMetricFamily(P + "preemptions", "Running requests preempted for KV blocks (recomputed later)",
                                       value=s.get("preemptions", 0))
+            pc = s.get("prefix_cache") or {}
+            yield CounterMetricFamily(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      value=pc.get("queries", 0))
+            yield CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache (their prefill "
+                                      "skipped)", value=pc.get("hits", 0))
         if "computed" in s:
             c = CounterMetricFamily(P + "expert_compute", "Experts computed, by where: on the device, or on the host CPU "
                                     "from host memory without a transfer (hybrid execution)", labels=["where"])

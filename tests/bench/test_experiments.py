@@ -157,3 +157,20 @@ def test_runner_lists_every_experiment():
     names = {n for n, _ in run_experiments.EXPERIMENTS}
     scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "bench")) if f.startswith("exp_") and f.endswith(".py")}
     assert names == scripts - {"exp_common", "exp_live_common"}
+
+
+@pytest.mark.slow
+def test_prefix_cache_quick(out, tmp_path):
+    """A live server with and without prefix caching on a shared system prompt: the same texts, and the
+    prefill computed drops by what the cache served (prompt tokens - hits, from /metrics)."""
+    import prefix_cache
+    prefix_cache.main(["--quick", "--repeats", "1", "--outdir", str(out), "--workdir", str(tmp_path)])
+    d = _files(out, "prefix_cache")
+    assert d["same_texts"]
+    off, on = d["off"], d["on"]
+    assert off["prefix_hits"] == 0 and off["prefill_computed"] == off["prompt_tokens"] == on["prompt_tokens"]
+    # 8 requests share the system prompt: all but the first find its whole blocks cached
+    block = 16
+    shared = d["system_prompt_tokens"] // block * block
+    assert on["prefix_hits"] >= 7 * (shared - block)
+    assert on["prefill_computed"] == on["prompt_tokens"] - on["prefix_hits"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ class Sequence:
     blocks: list = field(default_factory=list)
     slot_ids: "torch.Tensor | None" = None     # token slot of each position its blocks cover
     state: "int | None" = None                 # its slot of the recurrent-state arena (linear-attention layers)
+    hashed: int = 0                            # its leading full blocks registered in the prefix cache
 
     @property
     def slot(self):            # "holds KV" (kept for callers that asked for a slot)
@@ -150,16 +152,82 @@ class V4Arena:
 class BlockManager:
     """The free lists of the cache (nano-vllm's block manager): KV blocks of ``block_size`` tokens and
     per-sequence slots (recurrent state, sliding-window rings). It hands them to sequences and takes
-    them back; it holds no tensor. The scheduler admits and preempts by what it says is free."""
+    them back; it holds no tensor. The scheduler admits and preempts by what it says is free.
+
+    Prefix caching (vLLM's automatic prefix caching): a full block whose tokens a sequence has fed is
+    registered under its tokens and its parent block (``register``), so the chain of keys names a whole
+    prefix exactly (no hash to collide: the key holds the tokens, and the parent's identity changes when
+    it is evicted). Blocks are counted by reference; a registered block nobody holds stays cached,
+    evictable in LRU order (a freed sequence's tail first), and is taken back only when no plain free block
+    is left. ``match`` hands a new sequence the cached blocks of its prompt's longest cached prefix."""
 
     def __init__(self, num_blocks: int, block_size: int, state_slots: int, device) -> None:
         self.num_blocks, self.block_size, self.state_slots, self.device = num_blocks, block_size, state_slots, device
         self.free: list = list(range(num_blocks - 1, -1, -1))
         self.free_state: list = list(range(state_slots - 1, -1, -1))
+        self.ref = [0] * num_blocks               # sequences holding each block
+        self.gen = [0] * num_blocks               # bumped when a cached block is evicted: its old key dies
+        self.key_of: dict = {}                    # block -> its key (registered blocks)
+        self.cached: dict = {}                    # key -> block
+        self.evictable: OrderedDict = OrderedDict()   # registered blocks nobody holds, least recently freed first
+        self.queries = self.hits = 0              # prompt tokens looked up / found (prefix caching)
 
     @property
     def free_blocks(self) -> int:
-        return len(self.free)
+        """Blocks a sequence can get: free ones and cached ones nobody holds (evicted on demand)."""
+        return len(self.free) + len(self.evictable)
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        b, _ = self.evictable.popitem(last=False)      # the least recently freed cached block
+        key = self.key_of.pop(b)
+        if self.cached.get(key) == b:
+            del self.cached[key]
+        self.gen[b] += 1
+        return b
+
+    def _slots(self, blocks: list) -> torch.Tensor:
+        bs = self.block_size
+        return (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(
+            self.device)
+
+    def match(self, seq: Sequence, tokens: list) -> int:
+        """Give a sequence that holds nothing the cached blocks of ``tokens``' longest cached prefix of full
+        blocks - leaving at least one token to feed (its logits are needed); returns the tokens it covers."""
+        if seq.blocks or self.state_slots:
+            return 0
+        bs = self.block_size
+        self.queries += len(tokens)
+        got, parent = [], None
+        for i in range((len(tokens) - 1) // bs):
+            b = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            if b is None:
+                break
+            got.append(b)
+            parent = (b, self.gen[b])
+        for b in got:
+            if self.ref[b] == 0:
+                del self.evictable[b]
+            self.ref[b] += 1
+        if got:
+            seq.blocks, seq.hashed, seq.length = list(got), len(got), len(got) * bs
+            seq.slot_ids = self._slots(got)
+        self.hits += len(got) * bs
+        return len(got) * bs
+
+    def register(self, seq: Sequence, tokens: list) -> None:
+        """Register the sequence's full blocks fed since the last call (``tokens``: at least its fed ones). A
+        block whose prefix is cached already in another block stays unregistered (one copy is cached)."""
+        bs = self.block_size
+        for i in range(seq.hashed, min(seq.length // bs, len(seq.blocks))):
+            b = seq.blocks[i]
+            parent = None if i == 0 else (seq.blocks[i - 1], self.gen[seq.blocks[i - 1]])
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            if key not in self.cached and b not in self.key_of:
+                self.cached[key] = b
+                self.key_of[b] = key
+        seq.hashed = max(seq.hashed, seq.length // bs)
 
     @property
     def free_sequences(self) -> "int | None":
@@ -173,23 +241,30 @@ class BlockManager:
         """Give ``seq`` blocks for ``tokens`` positions; False (and nothing taken) if too few are free."""
         need = self.blocks_for(tokens) - len(seq.blocks)
         if self.state_slots and seq.state is None:
-            if not self.free_state or need > len(self.free):
+            if not self.free_state or need > self.free_blocks:
                 return False
             seq.state = self.free_state.pop()    # stale contents: its first chunk starts from zeros (layers/linear.py)
         if need <= 0:
             return True
-        if need > len(self.free):
+        if need > self.free_blocks:
             return False
-        new = [self.free.pop() for _ in range(need)]
+        new = [self._take() for _ in range(need)]
+        for b in new:
+            self.ref[b] = 1
         seq.blocks.extend(new)
-        bs = self.block_size
-        ids = (torch.tensor(new, dtype=torch.long)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(self.device)
+        ids = self._slots(new)
         seq.slot_ids = ids if seq.slot_ids is None else torch.cat([seq.slot_ids, ids])
         return True
 
     def release(self, seq: Sequence) -> None:
-        self.free.extend(reversed(seq.blocks))
-        seq.blocks, seq.slot_ids = [], None
+        for b in reversed(seq.blocks):           # the tail first: it is evicted before the shared head
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.key_of:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+        seq.blocks, seq.slot_ids, seq.hashed = [], None, 0
         if seq.state is not None:
             self.free_state.append(seq.state)
             seq.state = None

@@ -126,3 +126,15 @@ def test_n_choices(server):
             for ch in json.loads(line[6:])["choices"]:
                 texts[ch["index"]] += ch["text"]
     assert texts == one
+
+
+def test_n_choices_share_the_prompts_blocks(server):
+    """The n choices of one request are n engine requests; the first computes the prompt, the others start
+    from its cached blocks (prefix caching): the prompt's full blocks are computed once."""
+    from test_server import metric
+    prompt = [(3 * i) % 60 + 4 for i in range(40)]
+    before = metric(server, "tiered_moe_prefix_cache_hits_total")
+    st, data = raw(server, "POST", "/v1/completions", {"model": server.model_name, "prompt": prompt, "n": 4,
+                                                        "max_tokens": 3, "temperature": 0})
+    assert st == 200 and len(json.loads(data)["choices"]) == 4
+    assert metric(server, "tiered_moe_prefix_cache_hits_total") - before >= 3 * 32    # 2 full blocks of 16, x 3

@@ -1,0 +1,102 @@
+"""Prefix caching (issue 21): cached KV blocks of a prompt's prefix are reused, evicted LRU when free blocks
+run out, counted, and the outputs are those of the cache off."""
+import pytest
+
+from runtime.engine import Engine, SamplingParams
+from runtime.model import load_model
+from runtime.model.convert import convert
+from runtime.model.layers.cache import BlockManager, Sequence
+from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
+
+SPEC = SyntheticModelSpec(num_layers=2, num_experts=8, hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=1)
+
+
+def _fed(m: BlockManager, seq: Sequence, tokens: list) -> None:
+    """What the model does for a chunk: blocks for the tokens, length advanced, then the scheduler registers."""
+    assert m.ensure(seq, len(tokens))
+    seq.length = len(tokens)
+    m.register(seq, tokens)
+
+
+def test_block_manager_matches_whole_cached_blocks_and_evicts_lru():
+    m = BlockManager(num_blocks=6, block_size=4, state_slots=0, device="cpu")
+    a = Sequence()
+    _fed(m, a, list(range(10)))                  # blocks [0..3] [4..7] full, [8, 9] partial
+    assert len(a.blocks) == 3 and len(m.cached) == 2
+    m.release(a)
+    assert m.free_blocks == 6 and len(m.evictable) == 2       # cached, nobody holds them: still free to take
+    b = Sequence()
+    assert m.match(b, list(range(8)) + [99]) == 8             # two full blocks; one token left to feed
+    assert len(b.blocks) == 2 and b.length == 8
+    assert b.slot_ids.tolist() == [x for blk in b.blocks for x in range(blk * 4, blk * 4 + 4)]
+    c = Sequence()
+    assert m.match(c, list(range(8))) == 4                    # at least one token to feed: one block
+    e, f = Sequence(), Sequence()
+    assert m.match(e, [0, 1, 2, 3, 5, 5, 6, 7, 8]) == 4        # the second block differs
+    assert m.match(f, [1, 2, 3, 4, 5]) == 0
+    assert m.queries == 9 + 8 + 9 + 5 and m.hits == 8 + 4 + 4
+    assert m.ref[b.blocks[0]] == 3                             # b, c and e hold the first block
+    for s in (b, c, e, f):
+        m.release(s)
+    # Eviction: take every block; the cached ones go last, least recently freed first.
+    d = Sequence()
+    assert m.ensure(d, 6 * 4) and m.free_blocks == 0 and not m.cached
+    m.release(d)
+    assert m.match(Sequence(), list(range(9))) == 0           # evicted: gone from the cache
+    assert m.free_blocks == 6
+
+
+def test_a_parent_evicted_invalidates_its_children():
+    m = BlockManager(num_blocks=3, block_size=2, state_slots=0, device="cpu")
+    a = Sequence()
+    _fed(m, a, [1, 2, 3, 4, 5])
+    m.release(a)                                # blocks: [1,2] cached, [3,4] cached, [5] free
+    x = Sequence()
+    assert m.ensure(x, 4)                       # free block, then the LRU cached one: the tail [3,4] goes first
+    h = Sequence()
+    assert m.match(h, [1, 2, 3, 4, 9]) == 2
+    m.release(h)
+    m.release(x)
+    y = Sequence()
+    assert m.ensure(y, 6)                       # everything: [1,2] evicted too
+    m.release(y)
+    assert m.match(Sequence(), [1, 2, 3, 4, 9]) == 0 and m.free_blocks == 3
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pc")
+    build_checkpoint(str(d / "hf"), SPEC)
+    convert(str(d / "hf"), str(d / "s"))
+    return str(d / "s")
+
+
+def _chat(store, caching: bool, kv_tokens=None):
+    """32 requests sharing a 1,000-token system prompt, each with its own question, 8 greedy tokens."""
+    system = [(7 * i) % 90 + 3 for i in range(1000)]
+    prompts = [system + [(i * 13 + j) % 90 + 3 for j in range(6 + i % 5)] for i in range(32)]
+    model, st = load_model(store)
+    try:
+        if kv_tokens:
+            model.init_kv(kv_tokens * model.kv_bytes_per_token())
+        eng = Engine(model, st, max_batch=8, prefill_chunk=64, prefix_caching=caching)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+        eng.run()
+        fed = sum(r.tokens for r in eng.steps)
+        decode = 32 * 7                         # after its prompt a request feeds 7 of its 8 tokens
+        return [eng.done[i].output for i in ids], fed - decode, model.kv.manager, sum(len(p) for p in prompts)
+    finally:
+        st.close()
+
+
+@pytest.mark.slow
+def test_a_shared_system_prompt_is_computed_once(store):
+    off, prefill_off, _, total = _chat(store, False)
+    on, prefill_on, mgr, _ = _chat(store, True)
+    assert prefill_off == total
+    assert on == off
+    assert prefill_on <= 0.1 * prefill_off, (prefill_on, prefill_off)
+    assert mgr.hits == prefill_off - prefill_on and mgr.queries >= total
+    # a cache too small to keep the prefix for everyone: evictions, the same outputs
+    small, _, _, _ = _chat(store, True, kv_tokens=3 * 1024)
+    assert small == off
