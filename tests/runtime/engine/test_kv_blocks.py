@@ -4,18 +4,9 @@ import pytest
 
 from runtime.engine import Engine, SamplingParams
 from runtime.model import load_model
-from runtime.model.convert import convert
-from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
-
-SPEC = SyntheticModelSpec(num_layers=2, num_experts=8, hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=1)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kv")
-    build_checkpoint(str(d / "hf"), SPEC)
-    convert(str(d / "hf"), str(d / "s"))
-    return str(d / "s")
+
 
 
 PROMPTS = [list(range(1, 1 + n)) for n in (20, 7, 30, 12)]

@@ -4,11 +4,8 @@ import pytest
 
 from runtime.engine import Engine, SamplingParams
 from runtime.model import load_model
-from runtime.model.convert import convert
 from runtime.model.layers.cache import BlockManager, Sequence
-from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
 
-SPEC = SyntheticModelSpec(num_layers=2, num_experts=8, hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=1)
 
 
 def _fed(m: BlockManager, seq: Sequence, tokens: list) -> None:
@@ -63,12 +60,6 @@ def test_a_parent_evicted_invalidates_its_children():
     assert m.match(Sequence(), [1, 2, 3, 4, 9]) == 0 and m.free_blocks == 3
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pc")
-    build_checkpoint(str(d / "hf"), SPEC)
-    convert(str(d / "hf"), str(d / "s"))
-    return str(d / "s")
 
 
 def _chat(store, caching: bool, kv_tokens=None):
