@@ -8,8 +8,13 @@ kills the engine with SIGKILL and, alternately, freezes it with SIGSTOP (caught 
 heartbeat). A sampler records the resident memory of both processes every second.
 
 Reported: requests by outcome, errors by cause, engine restarts, latency p50 / p99 of
-successful non-streaming requests, peak RSS of the front-end and the engine against the
-budgets. Not in CI (it runs for minutes).
+successful non-streaming requests, and two goals (issue 21): the peak RSS of each process within
+its budget plus a stated margin - the engine: the runtime's floor (a Python process that imported
+torch and the runtime) + dense weights + host tier + device slots + KV cache + ENGINE_MARGIN; the
+front-end: its RSS once serving + one body limit per client + FRONT_MARGIN - and no Prometheus
+counter going backwards (scraped every second, across the engine restarts). Traffic mixes short,
+long (300-900 prompt tokens) and very long (3,000-token completions) requests. Not in CI (it runs
+for minutes).
 
 Usage: python bench/soak.py [--minutes 10] [--out bench/results/soak.md]
 """
@@ -36,6 +41,31 @@ from runtime.serve.engine_proc import EngineConfig  # noqa: E402
 from runtime.store import Manifest  # noqa: E402
 
 MiB = 1 << 20
+ENGINE_MARGIN = 256 * MiB     # allocator slack, per-step temporaries, the tokenizer, ZeroMQ buffers
+FRONT_MARGIN = 64 * MiB
+
+
+def runtime_floor() -> int:
+    """RSS of a fresh Python that imported torch and the engine's modules: what every engine costs before
+    its model."""
+    import subprocess
+    code = ("import torch, runtime.engine, runtime.model, runtime.serve.engine_proc; "
+            "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(HERE),
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)), timeout=120)
+    return int(out.stdout.strip())
+
+
+def counters(srv) -> dict:
+    """Every counter sample of /metrics: series -> value."""
+    import urllib.request
+    out = {}
+    for line in urllib.request.urlopen(srv.url + "/metrics", timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            series, v = line.rsplit(" ", 1)
+            if series.split("{")[0].endswith(("_total", "_count", "_sum")):
+                out[series] = float(v)
+    return out
 
 
 def rss(pid: int) -> int:
@@ -85,12 +115,15 @@ def client_loop(srv, stats: Stats, deadline: float, seed: int) -> None:
     rng = random.Random(seed)
     m = srv.model_name
     while time.time() < deadline:
-        kind = rng.choices(["short", "long", "stream", "hostile", "disconnect"], [5, 1, 2, 2, 1])[0]
+        kind = rng.choices(["short", "long", "longest", "stream", "hostile", "disconnect"], [5, 1, 0.3, 2, 2, 1])[0]
         t0 = time.time()
         try:
             if kind == "short":
                 st, code = request(srv, {"model": m, "prompt": [rng.randrange(500) for _ in range(rng.randint(4, 64))],
                                          "max_tokens": 16, "temperature": 0.8, "seed": rng.randrange(1 << 30)})
+            elif kind == "longest":    # a 3,000-token completion: memory must not grow with it
+                st, code = request(srv, {"model": m, "prompt": [rng.randrange(500) for _ in range(rng.randint(4, 64))],
+                                         "max_tokens": 3000, "temperature": 0.8, "ignore_eos": True}, timeout=600)
             elif kind == "long":
                 st, code = request(srv, {"model": m, "prompt": [rng.randrange(500) for _ in range(rng.randint(300, 900))],
                                          "max_tokens": 128})
@@ -147,19 +180,34 @@ def main() -> None:
     budgets = {"expert_budget": 64 * m.blob_stride, "host_budget": None, "kv_cache_budget": 64 * MiB}
     cfg = EngineConfig(model=store, expert_budget=budgets["expert_budget"], kv_cache_budget=budgets["kv_cache_budget"],
                        max_batch=8, prefill_chunk=64, policy="lru", threads=1)
+    floor = runtime_floor()
     srv = Server(cfg, port=0, timeout=15.0, heartbeat_timeout=5.0).start()
+    front_start = rss(os.getpid())
+    from runtime.plan import dense_bytes, dense_shapes
+    import torch
+    dense = dense_bytes(list(dense_shapes(store).values()), torch.float32)
     stats = Stats()
+    drops: list = []
     deadline = time.time() + 60 * a.minutes
     peaks = {"front_end": 0, "engine": 0}
     faults = []
     stop = threading.Event()
 
     def sampler():
+        high: dict = {}
         while not stop.is_set():
             peaks["front_end"] = max(peaks["front_end"], rss(os.getpid()))
             p = srv.engine.proc
             if p is not None:
                 peaks["engine"] = max(peaks["engine"], rss(p.pid))
+            try:
+                now = counters(srv)
+            except OSError:
+                now = {}
+            for k, v in now.items():
+                if v < high.get(k, 0.0):
+                    drops.append({"series": k, "from": high[k], "to": v})
+                high[k] = max(high.get(k, 0.0), v)
             stop.wait(1.0)
 
     def faulter():
@@ -196,7 +244,14 @@ def main() -> None:
 
     total = sum(stats.outcomes.values())
     served = sum(v for (k, o), v in stats.outcomes.items() if o == "ok")
+    from runtime.serve.api import MAX_BODY
+    host_all = m.num_layers * m.num_experts * m.blob_stride
+    allowed = {"engine": floor + dense + host_all + budgets["expert_budget"] + kv_bytes + ENGINE_MARGIN,
+               "front_end": front_start + a.clients * MAX_BODY + FRONT_MARGIN}
+    goals = {k: peaks[k] <= allowed[k] for k in allowed}
     R = {"minutes": a.minutes, "clients": a.clients, "requests": total, "served_ok": served,
+         "allowed_rss_bytes": allowed, "rss_goals_met": goals, "runtime_floor_bytes": floor, "dense_bytes": dense,
+         "front_end_start_bytes": front_start, "counter_drops": drops,
          "outcomes": {f"{k}: {o}": v for (k, o), v in sorted(stats.outcomes.items())},
          "faults_injected": faults, "engine_restarts": restarts, "engine_alive_at_end": health,
          "latency_s": {"p50": pct(0.5), "p99": pct(0.99), "n": len(lat)},
@@ -214,9 +269,16 @@ def main() -> None:
          f"- requests: {total:,}, served OK: {served:,}",
          f"- engine faults injected: {len(faults)}; restarts: {restarts}; engine up at the end: {health}",
          f"- latency of successful short/long completions: p50 {pct(0.5):.2f} s, p99 {pct(0.99):.2f} s ({len(lat)} requests)",
-         f"- peak RSS: front-end {peaks['front_end'] / MiB:.0f} MiB, engine {peaks['engine'] / MiB:.0f} MiB "
-         f"(engine budgets: experts in host {R['budgets']['expert_bytes_all_in_host'] / MiB:.0f} MiB + device slots "
-         f"{budgets['expert_budget'] / MiB:.0f} MiB + KV {kv_bytes / MiB:.0f} MiB + dense weights and the interpreter)\n",
+         f"- **engine peak RSS {peaks['engine'] / MiB:.0f} MiB, allowed {allowed['engine'] / MiB:.0f} MiB: "
+         f"{'met' if goals['engine'] else 'NOT met'}** (runtime floor {floor / MiB:.0f} + dense {dense / MiB:.0f} + host "
+         f"tier {host_all / MiB:.0f} + device slots {budgets['expert_budget'] / MiB:.0f} + KV {kv_bytes / MiB:.0f} + "
+         f"margin {ENGINE_MARGIN / MiB:.0f} MiB)",
+         f"- **front-end peak RSS {peaks['front_end'] / MiB:.0f} MiB, allowed {allowed['front_end'] / MiB:.0f} MiB: "
+         f"{'met' if goals['front_end'] else 'NOT met'}** (its RSS once serving {front_start / MiB:.0f} + {a.clients} "
+         f"bodies of {MAX_BODY / MiB:.0f} MiB + margin {FRONT_MARGIN / MiB:.0f} MiB; this process also runs the client "
+         f"threads)",
+         f"- **counters that went backwards: {len(drops)}** (every `_total` / `_count` / `_sum` series of /metrics, "
+         f"scraped each second across {restarts} engine restarts)\n",
          "| request kind: outcome | count |", "|---|---|"]
     L += [f"| {k} | {v} |" for k, v in R["outcomes"].items()]
     L.append("\nOutcomes: `ok`; `400 None`: refused hostile input (the OpenAI error object); `503 engine_unavailable`: "

@@ -163,6 +163,10 @@ class Server:
         for name in ("presence_penalty", "frequency_penalty"):
             out[name] = float(number(body, name, 0.0, lo=-2, hi=2))
         out["repetition_penalty"] = float(number(body, "repetition_penalty", 1.0, lo=0, hi=100, lo_open=True))
+        ie = body.get("ignore_eos", False)          # vLLM's extension: generate max_tokens whatever the model says
+        if not isinstance(ie, bool):
+            raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+        out["ignore_eos"] = ie
         bias = body.get("logit_bias")
         if bias is not None:
             if not isinstance(bias, dict):

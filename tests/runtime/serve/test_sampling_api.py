@@ -138,3 +138,23 @@ def test_n_choices_share_the_prompts_blocks(server):
                                                         "max_tokens": 3, "temperature": 0})
     assert st == 200 and len(json.loads(data)["choices"]) == 4
     assert metric(server, "tiered_moe_prefix_cache_hits_total") - before >= 3 * 32    # 2 full blocks of 16, x 3
+
+
+
+def test_what_is_not_built_is_refused_not_ignored(server):
+    """response_format beyond text and tools (unless tool_choice is none) get a 400 naming them - a client that
+    asked for JSON or a tool call must not get free text it cannot parse; what asks for nothing passes."""
+    c = client(server)
+    msgs = [{"role": "user", "content": "hi"}]
+    ok = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2,
+                                   response_format={"type": "text"},
+                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                   tool_choice="none")
+    assert ok.choices[0].message.content is not None
+    import openai
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2,
+                                  response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2,
+                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])

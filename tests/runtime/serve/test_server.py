@@ -169,6 +169,7 @@ def test_32_concurrent_streams_are_not_mixed_up(server, tiny_store):
     ({"model": "@", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "@", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": "@", "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": "@", "prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ({"model": "@", "prompt": "x", "n": 1.0}, 400, "n"),
     ({"model": "@", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "@", "prompt": "x", "logprobs": True}, 400, "logprobs"),
@@ -199,6 +200,9 @@ def test_bad_completion_requests(server, body, status, param):
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
