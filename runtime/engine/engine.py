@@ -119,6 +119,17 @@ class Engine:
     def schedule(self) -> str:
         return self.scheduler.schedule_kind
 
+    def _grammar_tokenizer(self):
+        """The tokenizer as the grammar engine indexes it: built on the first constrained request."""
+        if getattr(self, "_gtok", None) is None:
+            import os
+            from .grammar import GrammarTokenizer
+            path = os.path.join(self.store.disk.dir, "tokenizer.json")
+            if not os.path.exists(path):
+                raise ValueError("structured output needs the model's tokenizer.json, which this store lacks")
+            self._gtok = GrammarTokenizer(path, self.model.cfg.vocab_size, list(self.model.cfg.eos_token_ids))
+        return self._gtok
+
     @property
     def longest_sequence(self) -> int:
         """Tokens (prompt + completion) one request may have: the context, or what the whole KV cache holds
@@ -145,6 +156,8 @@ class Engine:
                              f"{blocks.blocks_for(len(prompt) + params.max_tokens)} KV blocks of {blocks.block_size} "
                              f"tokens; the KV cache budget holds {blocks.num_blocks}")
         r = Request(id=self._next_id, prompt=[int(t) for t in prompt], params=params, arrival=time.perf_counter())
+        if params.grammar is not None:
+            r.matcher = self._grammar_tokenizer().matcher(*params.grammar)   # ValueError: a grammar that does not compile
         if params.seed is not None:
             import torch
             r.gen = torch.Generator().manual_seed(params.seed)

@@ -63,6 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # ... times how often it has it
     repetition_penalty: float = 1.0   # logits of tokens in the prompt or output: / p if positive, x p if not (CTRL)
     logit_bias: "dict | None" = None  # token id -> added to its logit (a list of [id, bias] pairs is taken too)
+    grammar: "tuple | None" = None    # (format, text): the output must be in its language (runtime/engine/grammar.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -92,6 +93,13 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[0]!r}")
             self.logit_bias = bias or None
+        if self.grammar is not None:
+            from .grammar import FORMATS
+            g = tuple(self.grammar)
+            if len(g) != 2 or g[0] not in FORMATS or not isinstance(g[1], str):
+                raise ValueError(f"grammar must be (format, text) with a format of {', '.join(FORMATS)}, got "
+                                 f"{str(self.grammar)[:80]}")
+            self.grammar = g
 
     @property
     def processes_logits(self) -> bool:
@@ -171,6 +179,7 @@ class Request:
     error: "str | None" = None                    # why it failed (finish_reason "error")
     recompute: "list | None" = None               # after a preemption: prompt + output[:-1], fed again
     preemptions: int = 0
+    matcher: object = None                        # its grammar's state (grammar.Matcher), when it has one
 
 
 @dataclass

@@ -207,7 +207,18 @@ class Scheduler:
                 r.first_token_time = now
             r.output.append(tok)
             p = r.params
-            if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.eos):
+            grammar_done = False
+            if r.matcher is not None and not (tok in self.eos and not p.ignore_eos):
+                try:
+                    r.matcher.take(tok)             # the token every rank applies (after token_sync)
+                    grammar_done = r.matcher.done()
+                except Exception as e:  # noqa: BLE001 - this request alone
+                    r.output.pop()
+                    out.append(self.fail(r, f"{type(e).__name__}: {e}"))
+                    ended.append(r)
+                    failed += 1
+                    continue
+            if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.eos) or grammar_done:
                 r.finished, r.finish_reason = True, FinishReason.STOP
             elif len(r.output) >= p.max_tokens:
                 r.finished, r.finish_reason = True, FinishReason.LENGTH
@@ -223,7 +234,10 @@ class Scheduler:
         """(token, None, logprobs or None) or (None, why sampling failed, None)."""
         try:
             p = r.params
-            tok = sample(process_logits(logits, p, r.prompt, r.output), p, r.gen)
+            x = process_logits(logits, p, r.prompt, r.output)
+            if r.matcher is not None:
+                x = r.matcher.mask(x)                    # only what the grammar allows next
+            tok = sample(x, p, r.gen)
             return tok, None, (logprobs_of(logits, tok, p.logprobs) if p.logprobs is not None else None)
         except Exception as e:  # noqa: BLE001 - fails this request alone
             return None, f"{type(e).__name__}: {e}", None

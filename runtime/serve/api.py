@@ -29,7 +29,7 @@ import time
 import uuid
 
 from .chat import ChatFormatter
-from .params import ApiError, Detokenizer, number, refuse_unsupported, stop_strings
+from .params import ApiError, Detokenizer, number, refuse_unsupported, response_format, stop_strings
 from .client import EngineClient, EngineError
 from .metrics import ServerMetrics
 
@@ -167,6 +167,9 @@ class Server:
         if not isinstance(ie, bool):
             raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
         out["ignore_eos"] = ie
+        grammar = response_format(body)
+        if grammar is not None:
+            out["grammar"] = grammar
         bias = body.get("logit_bias")
         if bias is not None:
             if not isinstance(bias, dict):

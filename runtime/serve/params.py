@@ -38,6 +38,28 @@ def number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_o
     return v
 
 
+def response_format(body: dict) -> "list | None":
+    """OpenAI's ``response_format`` as the engine's grammar [format, text] (runtime/engine/grammar.py): None for
+    text; json_object; json_schema with its ``schema`` (a schema that does not compile is refused by the engine,
+    a 400 naming the problem)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ["json_object", ""]
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                           param="response_format")
+        return ["json_schema", json.dumps(js["schema"])]
+    raise ApiError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                   param="response_format")
+
+
 def stop_strings(body: dict) -> list:
     s = body.get("stop")
     if s is None:
@@ -59,11 +81,7 @@ def refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "'echo' is not supported", param="echo")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ApiError(400, "'best_of' is not supported (n choices are returned as they are)", param="best_of")
-    # Refused until constrained decoding is built: ignoring them would return text the client cannot parse.
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported yet (no constrained "
-                            "decoding)", param="response_format")
+    # Refused until tool-call parsing is built: ignoring them would return text the client cannot parse.
     if body.get("tools") and body.get("tool_choice", "auto") != "none":
         raise ApiError(400, "'tools' are not supported yet (no tool-call parsing or constrained decoding); send "
                             "\"tool_choice\": \"none\" to ignore them", param="tools")

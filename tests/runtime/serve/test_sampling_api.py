@@ -141,20 +141,86 @@ def test_n_choices_share_the_prompts_blocks(server):
 
 
 
-def test_what_is_not_built_is_refused_not_ignored(server):
-    """response_format beyond text and tools (unless tool_choice is none) get a 400 naming them - a client that
-    asked for JSON or a tool call must not get free text it cannot parse; what asks for nothing passes."""
+
+def test_tools_are_refused_not_ignored(server):
+    """tools (unless tool_choice is none) get a 400 naming them until tool calls are built - a client that asked
+    for a tool call must not get free text it cannot parse; what asks for nothing passes."""
+    import openai
     c = client(server)
     msgs = [{"role": "user", "content": "hi"}]
-    ok = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2,
-                                   response_format={"type": "text"},
-                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                                   tool_choice="none")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    ok = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2, tools=tools,
+                                   tool_choice="none", response_format={"type": "text"})
     assert ok.choices[0].message.content is not None
-    import openai
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2,
-                                  response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="tools"):
-        c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2,
-                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+        c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2, tools=tools)
+
+
+# -- structured output -----------------------------------------------------------------------------------
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                         "ok": {"type": "boolean"}}}
+
+
+def _valid(v, schema) -> bool:
+    """JSON Schema's meaning of the keywords SCHEMA uses, written out (draft 2020-12)."""
+    t = schema.get("type")
+    if "enum" in schema:
+        return v in schema["enum"]
+    if t == "object":
+        props = schema.get("properties", {})
+        return (isinstance(v, dict) and all(k in v for k in schema.get("required", []))
+                and (schema.get("additionalProperties", True) or set(v) <= set(props))
+                and all(_valid(v[k], props[k]) for k in v if k in props))
+    if t == "array":
+        return (isinstance(v, list) and len(v) <= schema.get("maxItems", len(v))
+                and all(_valid(x, schema["items"]) for x in v))
+    if t == "string":
+        return isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
+    if t == "integer":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if t == "boolean":
+        return isinstance(v, bool)
+    return False
+
+
+def test_json_schema_output_validates_streamed_and_not(server):
+    """response_format json_schema through the official client: every output that ends (finish_reason stop) is JSON
+    that validates against the schema, streamed or not; the two agree for the same seed."""
+    c = client(server)
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    msgs = [{"role": "user", "content": "a person, as JSON"}]
+    ended = 0
+    for seed in range(6):
+        r = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=96, temperature=1.0, seed=seed,
+                                      response_format=rf)
+        ch = r.choices[0]
+        text = ch.message.content
+        streamed = "".join(x.choices[0].delta.content or "" for x in c.chat.completions.create(
+            model=server.model_name, messages=msgs, max_tokens=96, temperature=1.0, seed=seed, response_format=rf,
+            stream=True) if x.choices)
+        assert streamed == text
+        if ch.finish_reason == "stop":
+            ended += 1
+            v = json.loads(text)
+            assert _valid(v, SCHEMA), text
+        else:                        # cut by max_tokens: a prefix of valid JSON, never anything else
+            assert ch.finish_reason == "length" and text.startswith('{"name": "')
+    assert ended >= 3
+    # json_object: any JSON object
+    r = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=64, temperature=1.0, seed=1,
+                                  response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_a_schema_that_does_not_compile_is_a_400(server):
+    st, data = raw(server, "POST", "/v1/chat/completions", {
+        "model": server.model_name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer",
+                                                                                           "minimum": "zero"}}}})
+    assert st == 400, data
+    assert "json_schema" in json.loads(data)["error"]["message"]
