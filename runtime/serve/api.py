@@ -211,7 +211,7 @@ class Server:
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
                        param="prompt")
 
-    def chat_prompt(self, body: dict) -> list:
+    def chat_prompt(self, body: dict, tools=None) -> list:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -221,6 +221,8 @@ class Server:
                 raise ApiError(400, f"messages[{i}] needs a role of system, developer, user, assistant or tool",
                                param=f"messages[{i}].role")
             c = m.get("content")
+            if c is None and m["role"] == "assistant" and m.get("tool_calls"):
+                c = ""                         # an assistant turn that only called tools
             if isinstance(c, list):
                 if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
                     raise ApiError(400, f"messages[{i}].content: only text parts are supported",
@@ -229,12 +231,27 @@ class Server:
             if not isinstance(c, str):
                 raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                                param=f"messages[{i}].content")
-            clean.append({"role": m["role"], "content": c})
+            item = {"role": m["role"], "content": c}
+            if m.get("tool_calls") is not None:
+                if not isinstance(m["tool_calls"], list):
+                    raise ApiError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+                # templates read a call's arguments as an object (most) or its JSON text: give the object
+                item["tool_calls"] = [{**tc, "function": {**tc["function"], "arguments": _args(tc["function"])}}
+                                      if isinstance(tc, dict) and isinstance(tc.get("function"), dict) else tc
+                                      for tc in m["tool_calls"]]
+            for k in ("tool_call_id", "name"):
+                if isinstance(m.get(k), str):
+                    item[k] = m[k]
+            clean.append(item)
         try:
-            text = self.chat.render(clean)
+            text = self.chat.render(clean, tools.template_tools() if tools is not None else None)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         return self.encode(text, "messages")
+
+    def tool_parser(self):
+        from .tools import parser_for
+        return parser_for(self.chat.template_text)[1]
 
     def encode(self, text: str, param: str) -> list:
         """Text -> ids; refuses text that cannot be valid UTF-8 (lone surrogates) and text too long for the
@@ -471,9 +488,17 @@ class _Routes:
             raise ApiError(400, "'stream_options' is only allowed with \"stream\": true", param="stream_options")
         include_usage = bool(so.get("include_usage", False))
         stops = stop_strings(body)
+        from .tools import parse_tools
+        tools = parse_tools(body) if chat else None
         # Tokenizing (and rendering a chat template) can take a while: off the event loop.
-        prompt = await run_in_threadpool(a.chat_prompt if chat else a.completion_prompt, body)
+        prompt = await (run_in_threadpool(a.chat_prompt, body, tools) if chat else
+                        run_in_threadpool(a.completion_prompt, body))
         params = a.sampling(body, len(prompt), None if chat else 16)
+        if tools is not None and tools.grammar() is not None:
+            if "grammar" in params:
+                raise ApiError(400, "'response_format' cannot be combined with a required or named 'tool_choice'",
+                               param="response_format")
+            params["grammar"] = tools.grammar()
         n = params.pop("n")
         k = params.get("logprobs")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -497,13 +522,24 @@ class _Routes:
                 ev.close()
             raise
         a.metrics.prompt_tokens.inc(len(prompt) * n)
-        ch = _Choices(a, evs, chat, len(prompt), k)
+        ch = _Choices(a, evs, chat, len(prompt), k, tools)
         if stream:
             return _Stream(a, ch, include_usage)
         try:
             return _json(200, await ch.collect(request))
         finally:
             ch.close()
+
+
+def _args(fn: dict):
+    """A tool call's arguments as an object where they are JSON text (what chat templates expect)."""
+    a = fn.get("arguments")
+    if isinstance(a, str):
+        try:
+            return json.loads(a)
+        except ValueError:
+            return a
+    return a
 
 
 def _logprobs(body: dict) -> "int | None":
@@ -643,10 +679,21 @@ class _Logprobs:
 class _Choices:
     """A request's ``n`` choices (n engine requests): collected together, or merged into one stream."""
 
-    def __init__(self, srv: "Server", evs: list, chat: bool, n_prompt: int, k: "int | None") -> None:
-        self.srv, self.evs, self.chat, self.n_prompt = srv, evs, chat, n_prompt
+    def __init__(self, srv: "Server", evs: list, chat: bool, n_prompt: int, k: "int | None", tools=None) -> None:
+        self.srv, self.evs, self.chat, self.n_prompt, self.tools = srv, evs, chat, n_prompt, tools
         self.rid = evs[0].rid.rsplit("-", 1)[0] if len(evs) > 1 else evs[0].rid
         self.lp = [_Logprobs(srv.tok, chat, k) if k is not None else None for _ in evs]
+
+    def message(self, text: str, finish: str) -> "tuple[str | None, list, str]":
+        """(content, tool_calls, finish_reason) of a chat choice: its text, or the tool calls in it."""
+        t = self.tools
+        if t is None or finish != "stop":
+            return text, [], finish
+        from .tools import constrained_calls, parse_auto
+        if t.choice in ("required", "named"):
+            return None, constrained_calls(t, text), "tool_calls"
+        content, calls = parse_auto(self.srv.tool_parser(), text)
+        return content, calls, "tool_calls" if calls else finish
 
     def usage(self) -> dict:
         n = sum(ev.n for ev in self.evs)
@@ -679,8 +726,11 @@ class _Choices:
         for ev, finish, lp in zip(self.evs, finishes, self.lp):
             logprobs = lp.format(ev.logprobs) if lp is not None else None
             if self.chat:
-                choices.append({"index": ev.index, "message": {"role": "assistant", "content": ev.detok.text},
-                                "logprobs": logprobs, "finish_reason": finish})
+                content, calls, finish = self.message(ev.detok.text, finish)
+                msg = {"role": "assistant", "content": content}
+                if calls:
+                    msg["tool_calls"] = calls
+                choices.append({"index": ev.index, "message": msg, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": ev.index, "text": ev.detok.text, "logprobs": logprobs, "finish_reason": finish})
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
@@ -731,6 +781,15 @@ class _Stream:
     def __init__(self, srv: "Server", ch: _Choices, include_usage: bool) -> None:
         self.srv, self.ch, self.include_usage = srv, ch, include_usage
 
+    def tool_chunk(self, chunk, index: int, finish: str) -> dict:
+        ev = next(e for e in self.ch.evs if e.index == index)
+        content, calls, finish = self.ch.message(ev.detok.text, finish)
+        out = chunk(index, content or "", finish, [])
+        if calls:
+            out["choices"][0]["delta"] = {**({"content": content} if content else {}),
+                                          "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        return out
+
     async def __call__(self, scope, receive, send) -> None:
         a, ch = self.srv, self.ch
         chat = ch.chat
@@ -771,6 +830,11 @@ class _Stream:
                     await event(chunk(ev.index, "", None, [], first=True))
             try:
                 async for index, delta, finish, lps in ch.merged():
+                    if ch.tools is not None and chat:
+                        # tool calls are known once the choice ends: its text is held back, then sent as one delta
+                        if finish:
+                            await event(self.tool_chunk(chunk, index, finish))
+                        continue
                     if delta or finish:
                         await event(chunk(index, delta, finish, lps))
             except ApiError as e:

@@ -18,6 +18,7 @@ class ChatFormatter:
         self.template = None
         self.bos = self.eos = ""
         self.template_source = None
+        self.template_text = None       # the template's source (tools.py picks the tool-call parser by its markers)
         t = None
         path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(path):
@@ -44,6 +45,7 @@ class ChatFormatter:
                 raise ValueError(f"{jpath}: not readable ({e})") from None
             path, self.template_source = jpath, "chat_template.jinja"
         if t:
+            self.template_text = t
             from jinja2 import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -58,13 +60,16 @@ class ChatFormatter:
     def source(self) -> str:
         return self.template_source if self.template is not None else FALLBACK
 
-    def render(self, messages: list) -> str:
+    def render(self, messages: list, tools: "list | None" = None) -> str:
+        """``tools``: OpenAI's tool objects, given to the template as Hugging Face does (``tools``); the fallback
+        lists them as JSON in a first system message."""
         if self.template is None:
-            return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+            head = f"<|system|>\nTools: {json.dumps(tools)}\n" if tools else ""
+            return head + "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         from jinja2 import TemplateError
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos,
-                                        eos_token=self.eos)
+                                        eos_token=self.eos, tools=tools)
         except TemplateError as e:
             raise ValueError(f"the model's chat template rejected these messages: {e}") from None
 

@@ -81,10 +81,6 @@ def refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "'echo' is not supported", param="echo")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ApiError(400, "'best_of' is not supported (n choices are returned as they are)", param="best_of")
-    # Refused until tool-call parsing is built: ignoring them would return text the client cannot parse.
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise ApiError(400, "'tools' are not supported yet (no tool-call parsing or constrained decoding); send "
-                            "\"tool_choice\": \"none\" to ignore them", param="tools")
     if body.get("logit_bias") is not None and not isinstance(body.get("logit_bias"), dict):
         raise ApiError(400, "'logit_bias' must be an object of token id -> bias", param="logit_bias")
 

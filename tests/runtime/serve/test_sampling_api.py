@@ -142,20 +142,6 @@ def test_n_choices_share_the_prompts_blocks(server):
 
 
 
-def test_tools_are_refused_not_ignored(server):
-    """tools (unless tool_choice is none) get a 400 naming them until tool calls are built - a client that asked
-    for a tool call must not get free text it cannot parse; what asks for nothing passes."""
-    import openai
-    c = client(server)
-    msgs = [{"role": "user", "content": "hi"}]
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    ok = c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2, tools=tools,
-                                   tool_choice="none", response_format={"type": "text"})
-    assert ok.choices[0].message.content is not None
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        c.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=2, tools=tools)
-
-
 # -- structured output -----------------------------------------------------------------------------------
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -224,3 +210,81 @@ def test_a_schema_that_does_not_compile_is_a_400(server):
                                                                                            "minimum": "zero"}}}})
     assert st == 400, data
     assert "json_schema" in json.loads(data)["error"]["message"]
+
+
+
+# -- tools ------------------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather at a place",
+                                             "parameters": {"type": "object", "additionalProperties": False,
+                                                            "required": ["city", "days"],
+                                                            "properties": {"city": {"type": "string", "maxLength": 10},
+                                                                           "days": {"type": "integer"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def test_required_and_named_tool_calls_with_the_official_client(server):
+    """tool_choice required / named: the output is constrained to the calls' JSON, so every call parses, names an
+    offered tool (the named one), and its arguments validate against that tool's parameters - streamed or not."""
+    c = client(server)
+    msgs = [{"role": "user", "content": "weather in Paris for 3 days?"}]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    done = 0
+    for seed in range(4):
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            r = c.chat.completions.create(model=server.model_name, messages=msgs, tools=[WEATHER, TIME], seed=seed,
+                                          tool_choice=choice, max_tokens=96, temperature=1.0)
+            ch = r.choices[0]
+            if ch.finish_reason == "length":
+                continue
+            done += 1
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls
+            for call in ch.message.tool_calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                if choice != "required":
+                    assert call.function.name == "get_time"
+                assert _valid(json.loads(call.function.arguments), params[call.function.name])
+            streamed = [tc for x in c.chat.completions.create(
+                model=server.model_name, messages=msgs, tools=[WEATHER, TIME], seed=seed, tool_choice=choice,
+                max_tokens=96, temperature=1.0, stream=True) if x.choices and x.choices[0].delta.tool_calls
+                for tc in x.choices[0].delta.tool_calls]
+            assert [(t.function.name, t.function.arguments) for t in streamed] == \
+                [(t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+    assert done >= 4
+    # a conversation that carries a call and its result renders and is served
+    r = c.chat.completions.create(model=server.model_name, max_tokens=4, tools=[WEATHER], tool_choice="auto", messages=[
+        *msgs, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    import openai
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        c.chat.completions.create(model=server.model_name, messages=msgs, tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+@pytest.mark.parametrize("family, text, content", [
+    ("hermes", 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+               '</tool_call>', "Let me check."),
+    ("glm45", 'Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days'
+              '</arg_key>\n<arg_value>3</arg_value>\n</tool_call>', "Sure."),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>', None),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+    ("harmony", '<|channel|>analysis<|message|>need weather<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>', None),
+])
+def test_each_familys_tool_call_format_parses(family, text, content):
+    """The families' tool-call formats as their chat templates define them, written out here."""
+    from runtime.serve.tools import PARSERS, parse_auto, parser_for
+    fn = next(f for name, _, f in PARSERS if name == family)
+    marker = next(m for name, m, _ in PARSERS if name == family)
+    assert parser_for("{% for t in tools %}" + marker + "{% endfor %}")[0] == family   # picked by its template
+    got_content, calls = parse_auto(fn, text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris", "days": 3})]
+    assert parse_auto(fn, "no call here") == ("no call here", [])
