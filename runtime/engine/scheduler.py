@@ -208,7 +208,7 @@ class Scheduler:
             r.output.append(tok)
             p = r.params
             grammar_done = False
-            if r.matcher is not None and not (tok in self.eos and not p.ignore_eos):
+            if r.matcher is not None and not (tok in self.eos and not p.ignore_eos) and tok not in p.stop_token_ids:
                 try:
                     r.matcher.take(tok)             # the token every rank applies (after token_sync)
                     grammar_done = r.matcher.done()
@@ -218,7 +218,8 @@ class Scheduler:
                     ended.append(r)
                     failed += 1
                     continue
-            if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.eos) or grammar_done:
+            # ignore_eos ignores the model's EOS, not the stop token ids a request names (vLLM's meaning)
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos) or grammar_done:
                 r.finished, r.finish_reason = True, FinishReason.STOP
             elif len(r.output) >= p.max_tokens:
                 r.finished, r.finish_reason = True, FinishReason.LENGTH

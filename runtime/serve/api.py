@@ -167,6 +167,13 @@ class Server:
         if not isinstance(ie, bool):
             raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
         out["ignore_eos"] = ie
+        stop_ids = body.get("stop_token_ids")          # vLLM's extension: token ids that end the output
+        if stop_ids is not None:
+            if not (isinstance(stop_ids, list) and len(stop_ids) <= 64 and all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids)):
+                raise ApiError(400, f"'stop_token_ids' must be a list of up to 64 token ids in [0, {self.vocab_size})",
+                               param="stop_token_ids")
+            out["stop_token_ids"] = list(stop_ids)
         grammar = response_format(body)
         if grammar is not None:
             out["grammar"] = grammar

@@ -288,3 +288,14 @@ def test_each_familys_tool_call_format_parses(family, text, content):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("get_weather", {"city": "Paris", "days": 3})]
     assert parse_auto(fn, "no call here") == ("no call here", [])
+
+
+def test_stop_token_ids_and_ignore_eos(server):
+    """stop_token_ids (vLLM's extension) end the output at a named token - also with ignore_eos, which ignores only
+    the model's EOS (vLLM's meaning); logit_bias forces the token."""
+    r = _complete(server, logit_bias={"11": 100}, stop_token_ids=[11])
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1
+    r = _complete(server, logit_bias={"11": 100}, stop_token_ids=[11], ignore_eos=True)
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1
+    r = _complete(server, logit_bias={"11": 100}, ignore_eos=True)
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 6

@@ -170,6 +170,7 @@ def test_32_concurrent_streams_are_not_mixed_up(server, tiny_store):
     ({"model": "@", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": "@", "prompt": "x", "n": 17}, 400, "n"),
     ({"model": "@", "prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ({"model": "@", "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ({"model": "@", "prompt": "x", "n": 1.0}, 400, "n"),
     ({"model": "@", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "@", "prompt": "x", "logprobs": True}, 400, "logprobs"),
