@@ -124,7 +124,7 @@ class Engine:
         if getattr(self, "_gtok", None) is None:
             import os
             from .grammar import GrammarTokenizer
-            path = os.path.join(self.store.disk.dir, "tokenizer.json")
+            path = os.path.join(self.store.dir, "tokenizer.json")
             if not os.path.exists(path):
                 raise ValueError("structured output needs the model's tokenizer.json, which this store lacks")
             self._gtok = GrammarTokenizer(path, self.model.cfg.vocab_size, list(self.model.cfg.eos_token_ids))

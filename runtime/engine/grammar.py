@@ -46,7 +46,10 @@ class GrammarTokenizer:
         # in and is never sampled (the request ends when only it would be allowed: Matcher.done).
         self.eos = list(eos_ids) or [0]
         self.has_eos = bool(eos_ids)
-        self.tok = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos)
+        try:
+            self.tok = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos)
+        except Exception as e:  # noqa: BLE001 - a request's error (ValueError), never the engine's
+            raise ValueError(f"structured output: the grammar engine cannot read {tokenizer_json}: {e}") from None
 
     def matcher(self, fmt: str, text: str) -> "Matcher":
         return Matcher(self, fmt, text)
@@ -65,7 +68,10 @@ class Matcher:
         except Exception as e:  # noqa: BLE001 - the library raises several types for a bad grammar
             raise ValueError(f"{fmt}: {e}") from None
         self.gt = gt
-        self.m = LLMatcher(gt.tok, grammar)
+        try:
+            self.m = LLMatcher(gt.tok, grammar)
+        except Exception as e:  # noqa: BLE001 - the library raises several types for a bad grammar
+            raise ValueError(f"{fmt}: {e}") from None
         if self.m.is_error():
             raise ValueError(f"{fmt}: {self.m.get_error()}")
 

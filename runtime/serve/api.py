@@ -698,7 +698,10 @@ class _Choices:
             return text, [], finish
         from .tools import constrained_calls, parse_auto
         if t.choice in ("required", "named"):
-            return None, constrained_calls(t, text), "tool_calls"
+            try:
+                return None, constrained_calls(t, text), "tool_calls"
+            except (ValueError, KeyError, TypeError):     # cut by a stop string: not whole JSON - the text as it is
+                return text, [], finish
         content, calls = parse_auto(self.srv.tool_parser(), text)
         return content, calls, "tool_calls" if calls else finish
 

@@ -215,6 +215,7 @@ class ExpertStore:
         Pipeline stages: ``layers`` = (a, b), the MoE layers [a, b) this stage holds (their global indices
         stay the store's: requests name them as every stage's model does); the host tier holds only them,
         and scope "layer" gives only them device slots."""
+        self.dir = store_dir
         self.full_m = Manifest.read(store_dir)
         from ..parallel.shard import Shard, rank_manifest
         self.shard = shard or Shard()

@@ -299,3 +299,13 @@ def test_stop_token_ids_and_ignore_eos(server):
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1
     r = _complete(server, logit_bias={"11": 100}, ignore_eos=True)
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 6
+
+
+def test_a_stop_string_inside_a_required_call_returns_the_text(server):
+    """A stop string can cut the constrained JSON: the choice comes back as its text (finish stop), not a 500."""
+    st, data = raw(server, "POST", "/v1/chat/completions", {
+        "model": server.model_name, "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+        "tool_choice": "required", "stop": ["\"name\""], "max_tokens": 32, "temperature": 0})
+    assert st == 200, data
+    ch = json.loads(data)["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["message"]["content"] == "[{" and "tool_calls" not in ch["message"]
