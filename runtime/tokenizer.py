@@ -24,7 +24,24 @@ class Tokenizer:
             raise ValueError("this model has no tokenizer.json: pass --prompt-ids 1,2,3 instead of --prompt")
         return self.tok.encode(text).ids
 
-    def decode(self, ids: list) -> str:
+    def decode(self, ids: list, keep: "frozenset | set" = frozenset()) -> str:
+        """Text of ``ids`` without special tokens (EOS, chat-turn markers), except those in ``keep`` (a tool-call
+        format's markers, which its parser reads)."""
         if self.tok is None:
             return " ".join(str(i) for i in ids)
-        return self.tok.decode(ids)
+        if not keep:
+            return self.tok.decode(ids)
+        special = self.special_ids
+        return self.tok.decode([i for i in ids if i not in special or i in keep], skip_special_tokens=False)
+
+    def token_id(self, text: str) -> "int | None":
+        """The id of the one token whose text this is (an added / special token, or a vocabulary entry); None."""
+        return None if self.tok is None else self.tok.token_to_id(text)
+
+    @property
+    def special_ids(self) -> frozenset:
+        """Ids of the added tokens marked special (their bytes are not text)."""
+        if getattr(self, "_special", None) is None:
+            self._special = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special) \
+                if self.tok is not None else frozenset()
+        return self._special

@@ -158,6 +158,10 @@ class Engine:
         r = Request(id=self._next_id, prompt=[int(t) for t in prompt], params=params, arrival=time.perf_counter())
         if params.grammar is not None:
             r.matcher = self._grammar_tokenizer().matcher(*params.grammar)   # ValueError: a grammar that does not compile
+        if params.trigger is not None:
+            if not 0 <= params.trigger[0] < V:
+                raise ValueError(f"trigger token id {params.trigger[0]} is outside the vocabulary [0, {V})")
+            r.armed = self._grammar_tokenizer().matcher(*params.trigger[1:])   # compiled now: its error is a 400
         if params.seed is not None:
             import torch
             r.gen = torch.Generator().manual_seed(params.seed)

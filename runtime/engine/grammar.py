@@ -12,7 +12,7 @@ import json
 import torch
 
 # format -> what llguidance compiles it from (its grammar_from kinds)
-def _json(schema: dict) -> str:
+def json_schema_text(schema: dict) -> str:
     """The schema with llguidance's JSON options: no free whitespace between tokens (a model left free to put
     newlines there can loop on them until max_tokens, as the greedy test model does); ", " and ": " separate."""
     if not isinstance(schema, dict):
@@ -23,13 +23,13 @@ def _json(schema: dict) -> str:
 
 def _schema(text: str) -> str:
     try:
-        return _json(json.loads(text))
+        return json_schema_text(json.loads(text))
     except ValueError as e:
         raise ValueError(f"json_schema: {e}") from None
 
 
 FORMATS = {
-    "json_object": lambda text: ("json_schema", _json({"type": "object"})),
+    "json_object": lambda text: ("json_schema", json_schema_text({"type": "object"})),
     "json_schema": lambda text: ("json_schema", _schema(text)),
     "regex": lambda text: ("regex", text),
     "lark": lambda text: ("lark", text),

@@ -64,6 +64,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # logits of tokens in the prompt or output: / p if positive, x p if not (CTRL)
     logit_bias: "dict | None" = None  # token id -> added to its logit (a list of [id, bias] pairs is taken too)
     grammar: "tuple | None" = None    # (format, text): the output must be in its language (runtime/engine/grammar.py)
+    # (token id, format, text): free output until the model samples that token, then the rest must be in the
+    # grammar's language - a tool call the model starts by its family's marker is finished by the grammar
+    # (what llguidance / vLLM call a lazy grammar or structural tag)
+    trigger: "tuple | None" = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -100,6 +104,16 @@ class SamplingParams:
                 raise ValueError(f"grammar must be (format, text) with a format of {', '.join(FORMATS)}, got "
                                  f"{str(self.grammar)[:80]}")
             self.grammar = g
+        if self.trigger is not None:
+            from .grammar import FORMATS
+            t = tuple(self.trigger)
+            if (len(t) != 3 or not isinstance(t[0], int) or isinstance(t[0], bool) or t[1] not in FORMATS
+                    or not isinstance(t[2], str)):
+                raise ValueError(f"trigger must be (token id, format, text) with a format of {', '.join(FORMATS)}, "
+                                 f"got {str(self.trigger)[:80]}")
+            if self.grammar is not None:
+                raise ValueError("a request has either a grammar or a trigger, not both")
+            self.trigger = t
 
     @property
     def processes_logits(self) -> bool:
@@ -180,6 +194,7 @@ class Request:
     recompute: "list | None" = None               # after a preemption: prompt + output[:-1], fed again
     preemptions: int = 0
     matcher: object = None                        # its grammar's state (grammar.Matcher), when it has one
+    armed: object = None                          # its trigger's grammar, compiled, until the trigger token comes
 
 
 @dataclass

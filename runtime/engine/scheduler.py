@@ -218,6 +218,8 @@ class Scheduler:
                     ended.append(r)
                     failed += 1
                     continue
+            if r.armed is not None and tok == p.trigger[0]:
+                r.matcher, r.armed = r.armed, None  # what follows the trigger token is the grammar's
             # ignore_eos ignores the model's EOS, not the stop token ids a request names (vLLM's meaning)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos) or grammar_done:
                 r.finished, r.finish_reason = True, FinishReason.STOP

@@ -256,9 +256,11 @@ class Server:
             raise ApiError(400, str(e), param="messages") from None
         return self.encode(text, "messages")
 
-    def tool_parser(self):
-        from .tools import parser_for
-        return parser_for(self.chat.template_text)[1]
+    @property
+    def tool_format(self):
+        """The family's tool-call format, by the markers its chat template writes (tools.FORMATS)."""
+        from .tools import tool_format
+        return tool_format(self.chat.template_text)
 
     def encode(self, text: str, param: str) -> list:
         """Text -> ids; refuses text that cannot be valid UTF-8 (lone surrogates) and text too long for the
@@ -506,6 +508,13 @@ class _Routes:
                 raise ApiError(400, "'response_format' cannot be combined with a required or named 'tool_choice'",
                                param="response_format")
             params["grammar"] = tools.grammar()
+        keep = frozenset()
+        if tools is not None and tools.choice == "auto":
+            from .tools import keep_tokens, trigger
+            fmt = a.tool_format
+            keep = keep_tokens(fmt, a.tok)
+            if "grammar" not in params:       # response_format constrains everything already
+                params["trigger"] = trigger(fmt, tools, a.tok)
         n = params.pop("n")
         k = params.get("logprobs")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -522,7 +531,7 @@ class _Routes:
                     await run_in_threadpool(a.engine.submit, sub, prompt, p, _Sink(asyncio.get_running_loop(), q))
                 except EngineError as e:
                     raise ApiError(503, str(e), type="server_error", code="engine_unavailable") from None
-                evs.append(_Events(a, q, Detokenizer(a.tok, stops), t0, sub, index=i))
+                evs.append(_Events(a, q, Detokenizer(a.tok, stops, keep), t0, sub, index=i))
                 a.open_requests += 1
         except BaseException:
             for ev in evs:
@@ -702,8 +711,24 @@ class _Choices:
                 return None, constrained_calls(t, text), "tool_calls"
             except (ValueError, KeyError, TypeError):     # cut by a stop string: not whole JSON - the text as it is
                 return text, [], finish
-        content, calls = parse_auto(self.srv.tool_parser(), text)
+        content, calls = parse_auto(self.srv.tool_format, text, t.functions)
         return content, calls, "tool_calls" if calls else finish
+
+    def open_content(self, index: int) -> str:
+        """What of a tools choice's text so far is content for sure: the text before its format's opening marker
+        (less a tail that may be the marker's start); nothing for required / named calls or a format without one."""
+        t, ev = self.tools, next(e for e in self.evs if e.index == index)
+        opener = self.srv.tool_format.trigger if t.choice == "auto" else None
+        if opener is None:
+            return ""
+        text = ev.detok.text
+        i = text.find(opener)
+        if i >= 0:
+            return text[:i]
+        for n in range(min(len(opener) - 1, len(text)), 0, -1):
+            if opener.startswith(text[-n:]):
+                return text[:-n]
+        return text
 
     def usage(self) -> dict:
         n = sum(ev.n for ev in self.evs)
@@ -791,12 +816,15 @@ class _Stream:
     def __init__(self, srv: "Server", ch: _Choices, include_usage: bool) -> None:
         self.srv, self.ch, self.include_usage = srv, ch, include_usage
 
-    def tool_chunk(self, chunk, index: int, finish: str) -> dict:
+    def tool_chunk(self, chunk, index: int, finish: str, held: dict) -> dict:
+        """A tools choice's last chunk: the content not yet sent and its tool calls, with every log-probability
+        held back."""
         ev = next(e for e in self.ch.evs if e.index == index)
         content, calls, finish = self.ch.message(ev.detok.text, finish)
-        out = chunk(index, content or "", finish, [])
+        rest = (content or "")[held["sent"]:] if calls else ev.detok.text[held["sent"]:]
+        out = chunk(index, rest, finish, held["lps"])
         if calls:
-            out["choices"][0]["delta"] = {**({"content": content} if content else {}),
+            out["choices"][0]["delta"] = {**({"content": rest} if rest.strip() else {}),
                                           "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
         return out
 
@@ -838,12 +866,21 @@ class _Stream:
             if chat:
                 for ev in ch.evs:
                     await event(chunk(ev.index, "", None, [], first=True))
+            held = {ev.index: {"sent": 0, "lps": []} for ev in ch.evs}
             try:
                 async for index, delta, finish, lps in ch.merged():
                     if ch.tools is not None and chat:
-                        # tool calls are known once the choice ends: its text is held back, then sent as one delta
+                        # the content before the format's opening marker streams; the calls are sent, one delta,
+                        # once the choice ends (with the log-probabilities of the tokens held back)
+                        h = held[index]
+                        h["lps"] += lps
                         if finish:
-                            await event(self.tool_chunk(chunk, index, finish))
+                            await event(self.tool_chunk(chunk, index, finish, h))
+                            continue
+                        safe = ch.open_content(index)
+                        if len(safe) > h["sent"]:
+                            await event(chunk(index, safe[h["sent"]:], None, h["lps"]))
+                            h["sent"], h["lps"] = len(safe), []
                         continue
                     if delta or finish:
                         await event(chunk(index, delta, finish, lps))

@@ -48,7 +48,10 @@ class ChatFormatter:
             self.template_text = t
             from jinja2 import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            from jinja2.ext import loopcontrols
+            # as transformers renders templates: its extensions and its tojson (no HTML escaping, non-ASCII kept)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = _strftime_now   # as transformers provides it (gpt-oss's template uses it)
             try:
@@ -78,6 +81,10 @@ def _token_text(t) -> str:
     if isinstance(t, dict):
         return t.get("content", "") or ""
     return t or ""
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:

@@ -91,8 +91,8 @@ class Detokenizer:
     right), never the whole output again. Holds back a trailing incomplete UTF-8 sequence (decoded
     as U+FFFD) and, with stop strings, the last few characters that could start one."""
 
-    def __init__(self, tok, stops: list) -> None:
-        self.tok, self.stops = tok, stops
+    def __init__(self, tok, stops: list, keep: frozenset = frozenset()) -> None:
+        self.tok, self.stops, self.keep = tok, stops, keep      # keep: special tokens that stay in the text
         self.ids: list = []
         self.prefix = 0          # ids[prefix:read] decode to text already appended
         self.read = 0
@@ -101,8 +101,8 @@ class Detokenizer:
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def _decode_new(self) -> None:
-        prev = self.tok.decode(self.ids[self.prefix:self.read])
-        cur = self.tok.decode(self.ids[self.prefix:])
+        prev = self.tok.decode(self.ids[self.prefix:self.read], self.keep)
+        cur = self.tok.decode(self.ids[self.prefix:], self.keep)
         if cur.endswith("\ufffd"):
             return                                   # an incomplete character: wait for more tokens
         self.text += cur[len(prev):]
@@ -131,6 +131,6 @@ class Detokenizer:
 
     def finish(self) -> str:
         if self.read < len(self.ids):                # a trailing incomplete character: as U+FFFD
-            self.text += self.tok.decode(self.ids[self.prefix:])[len(self.tok.decode(self.ids[self.prefix:self.read])):]
+            self.text += self.tok.decode(self.ids[self.prefix:], self.keep)[len(self.tok.decode(self.ids[self.prefix:self.read], self.keep)):]
             self.read = len(self.ids)
         return self._flush()

@@ -5,8 +5,13 @@ parsed into ``tool_calls``.
   naming the call(s) - required: ``[{"name", "arguments"}, ...]`` (at least one), named: ``{"name", "arguments"}``
   of that function - so the calls always parse and their arguments validate against the function's parameters.
 * "auto": the tools are rendered into the chat template (the ``tools`` variable Hugging Face templates read) and
-  the model's text is parsed by its family's tool-call format (``PARSERS``, picked by the markers its chat template
-  writes): Hermes / Qwen3 ``<tool_call>{json}</tool_call>``; GLM-4.5 ``<tool_call>name<arg_key>k</arg_key>
+  the model's text is parsed by its family's tool-call format (``FORMATS``, picked by the markers its chat template
+  writes). The model is free until it samples the token that opens its family's calls; from there on the output is
+  constrained (``ToolFormat.grammar``: a Lark grammar for llguidance) to well-formed calls of offered tools whose
+  arguments validate against their parameters, ending with the format's closing marker - what llguidance calls a
+  lazy grammar and vLLM / SGLang a structural tag. The family's marker tokens are special tokens in its tokenizer:
+  they are kept in the text (``ToolFormat.tokens``; vLLM keeps special tokens when tools are offered) so the parser
+  sees them: Hermes / Qwen3 ``<tool_call>{json}</tool_call>``; GLM-4.5 ``<tool_call>name<arg_key>k</arg_key>
   <arg_value>v</arg_value></tool_call>``; Kimi K2 ``<|tool_call_begin|>functions.name:i<|tool_call_argument_begin|>
   {json}<|tool_call_end|>``; DeepSeek-V3 ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\\n```json\\n{json}\\n```
   <｜tool▁call▁end｜>``; gpt-oss harmony ``<|channel|>commentary to=functions.name ... <|message|>{json}<|call|>``.
@@ -18,6 +23,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from .params import ApiError
 
@@ -27,6 +33,7 @@ class Tools:
     functions: list                 # [{"name", "description", "parameters"}]
     choice: str                     # auto | required | named
     named: "str | None" = None
+    parallel: bool = True           # parallel_tool_calls: false allows one call per turn
 
     def grammar(self) -> "list | None":
         """The engine's grammar for required / named calls; None for auto."""
@@ -36,7 +43,7 @@ class Tools:
         if self.choice == "named":
             return ["json_schema", json.dumps(call(next(f for f in self.functions if f["name"] == self.named)))]
         if self.choice == "required":
-            return ["json_schema", json.dumps({"type": "array", "minItems": 1,
+            return ["json_schema", json.dumps({"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                                                "items": {"anyOf": [call(f) for f in self.functions]}})]
         return None
 
@@ -67,12 +74,15 @@ def parse_tools(body: dict) -> "Tools | None":
     names = [f["name"] for f in fns]
     if len(set(names)) != len(names):
         raise ApiError(400, "tool names must be unique", param="tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
     if choice in (None, "auto"):
-        return Tools(fns, "auto")
+        return Tools(fns, "auto", parallel=parallel)
     if choice == "none":
         return None
     if choice == "required":
-        return Tools(fns, "required")
+        return Tools(fns, "required", parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
@@ -101,7 +111,7 @@ def _json_obj(s: str):
         return None
 
 
-def _hermes(text: str):
+def _hermes(text: str, functions: list):
     calls = []
     for m in re.finditer(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", text, re.S):
         v = _json_obj(m.group(1))
@@ -110,18 +120,28 @@ def _hermes(text: str):
     return text.split("<tool_call>")[0], calls
 
 
-def _glm45(text: str):
+def _raw_string(schema: dict) -> bool:
+    """GLM-4.5 writes a string argument as it is, anything else as JSON (its chat template's rule)."""
+    return schema.get("type") == "string" or (bool(schema.get("enum")) and all(isinstance(e, str) for e in schema["enum"]))
+
+
+def _glm45(text: str, functions: list):
+    props = {f["name"]: (f.get("parameters") or {}).get("properties") or {} for f in functions}
     calls = []
     for m in re.finditer(r"<tool_call>\s*([^<\n]+)(.*?)</tool_call>", text, re.S):
-        args = {}
+        name, args = m.group(1).strip(), {}
         for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", m.group(2), re.S):
-            parsed = _json_obj(v)
-            args[k.strip()] = parsed if parsed is not None else v
-        calls.append(_call(m.group(1).strip(), args))
+            k = k.strip()
+            if _raw_string(props.get(name, {}).get(k, {})):     # typed by the tool's parameters, as vLLM's parser does
+                args[k] = v
+            else:
+                parsed = _json_obj(v)
+                args[k] = parsed if parsed is not None else v
+        calls.append(_call(name, args))
     return text.split("<tool_call>")[0], calls
 
 
-def _kimi_k2(text: str):
+def _kimi_k2(text: str, functions: list):
     calls = []
     for m in re.finditer(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>"
                          r"(.*?)<\|tool_call_end\|>", text, re.S):
@@ -131,7 +151,7 @@ def _kimi_k2(text: str):
     return text.split("<|tool_calls_section_begin|>")[0], calls
 
 
-def _deepseek_v3(text: str):
+def _deepseek_v3(text: str, functions: list):
     calls = []
     for m in re.finditer(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*([\w.-]+)\s*```(?:json)?\s*(.*?)\s*```"
                          r"\s*<｜tool▁call▁end｜>", text, re.S):
@@ -141,7 +161,7 @@ def _deepseek_v3(text: str):
     return text.split("<｜tool▁calls▁begin｜>")[0], calls
 
 
-def _harmony(text: str):
+def _harmony(text: str, functions: list):
     calls = []
     for m in re.finditer(r"to=functions\.([\w.-]+).*?<\|message\|>(.*?)(?:<\|call\|>|$)", text, re.S):
         v = _json_obj(m.group(2).strip())
@@ -151,25 +171,151 @@ def _harmony(text: str):
     return (final.group(1) if final else ("" if calls else text)), calls
 
 
-# (name, a marker its chat template writes, parser): the first whose marker the template has is the family's
-PARSERS = [
-    ("glm45", "<arg_key>", _glm45),
-    ("hermes", "<tool_call>", _hermes),
-    ("kimi_k2", "<|tool_call_begin|>", _kimi_k2),
-    ("deepseek_v3", "<｜tool▁call▁begin｜>", _deepseek_v3),
-    ("harmony", "<|channel|>", _harmony),
+# -- what follows the trigger token: Lark grammars (llguidance's dialect) --------------------------------------
+# ``t(marker)`` is a marker as the grammar names it: ``<[id]>``, its token, where the tokenizer has one for it (the
+# model writes a marker as that token, and a special token's bytes are not text), else the quoted text. ``%json {schema}`` is a JSON value valid against the schema.
+def _args_rule(name: str, schema: dict) -> str:
+    from ..engine.grammar import json_schema_text
+    return f"{name}: %json {json_schema_text(schema or {'type': 'object'})}\n"
+
+
+def _alts(rules: list) -> str:
+    return " | ".join(rules)
+
+
+def _hermes_grammar(functions: list, t, parallel: bool) -> str:
+    from ..engine.grammar import json_schema_text
+    call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                       "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}} for f in functions]}
+    # Qwen3's template: <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, calls one per line
+    return (f'start: body' + (f' ("\\n"? {t("<tool_call>")} body)*\n' if parallel else "\n") +
+            f'body: "\\n" call "\\n" {t("</tool_call>")}\n'
+            f"call: %json {json_schema_text(call)}\n")
+
+
+def _raw_regex(schema: dict) -> str:
+    """A raw (unquoted) string of a string schema as a Lark regex: its pattern (a JSON-schema pattern is unanchored
+    unless it says ^...$; a lexeme matches whole), else any text without "<" (which would open the closing marker)
+    within minLength / maxLength."""
+    p = schema.get("pattern")
+    if isinstance(p, str):
+        body = p[1:] if p.startswith("^") else ".*" + p
+        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body + ".*"
+        return "/" + body.replace("/", "\\/") + "/"
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    return "/[^<]{%d,%s}/" % (lo, hi if isinstance(hi, int) else "")
+
+
+def _glm45_grammar(functions: list, t, parallel: bool) -> str:
+    # GLM-4.5's template: <tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>; the
+    # arguments in the parameters' order, the required ones present, strings raw and the rest JSON
+    out, fns = [], []
+    for i, f in enumerate(functions):
+        params = f["parameters"]
+        required = set(params.get("required") or [])
+        seq = []
+        for j, (k, sch) in enumerate((params.get("properties") or {}).items()):
+            if _raw_string(sch):
+                if sch.get("enum"):
+                    v = "(" + _alts([json.dumps(e) for e in sch["enum"]]) + ")"
+                else:
+                    v = _raw_regex(sch)
+                out.append(f"v{i}_{j}: {v}\n")
+            else:
+                out.append(_args_rule(f"v{i}_{j}", sch))
+            out.append(f'a{i}_{j}: {t("<arg_key>")} {json.dumps(k)} {t("</arg_key>")} "\\n" {t("<arg_value>")} '
+                       f'v{i}_{j} {t("</arg_value>")} "\\n"\n')
+            seq.append(f"a{i}_{j}" + ("" if k in required else "?"))
+        fns.append(f'{json.dumps(f["name"] + chr(10))} {" ".join(seq)} {t("</tool_call>")}')
+    return (f'start: body' + (f' ("\\n"? {t("<tool_call>")} body)*\n' if parallel else "\n") +
+            f"body: {_alts(fns)}\n" + "".join(out))
+
+
+def _kimi_k2_grammar(functions: list, t, parallel: bool) -> str:
+    # Kimi K2's template: <|tool_call_begin|>functions.name:index<|tool_call_argument_begin|>{json}<|tool_call_end|>
+    # per call inside <|tool_calls_section_begin|> ... <|tool_calls_section_end|>; the index (the call's number in the turn)
+    # of at most two digits
+    fns = [f'{json.dumps("functions." + f["name"] + ":")} /[0-9]{{1,2}}/ {t("<|tool_call_argument_begin|>")} args{i}'
+           for i, f in enumerate(functions)]
+    return (f'start: call{"+" if parallel else ""} {t("<|tool_calls_section_end|>")}\n'
+            f'call: {t("<|tool_call_begin|>")} ({_alts(fns)}) {t("<|tool_call_end|>")}\n'
+            + "".join(_args_rule(f"args{i}", f["parameters"]) for i, f in enumerate(functions)))
+
+
+def _deepseek_v3_grammar(functions: list, t, parallel: bool) -> str:
+    # DeepSeek-V3's template: <｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{json}\n```<｜tool▁call▁end｜>,
+    # calls one per line inside <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>
+    fns = [f'{json.dumps(f["name"] + chr(10) + "```json" + chr(10))} args{i} "\\n```"' for i, f in enumerate(functions)]
+    more = ' ("\\n"? call)*' if parallel else ""
+    return (f'start: call{more} {t("<｜tool▁calls▁end｜>")}\n'
+            f'call: {t("<｜tool▁call▁begin｜>")} "function" {t("<｜tool▁sep｜>")} ({_alts(fns)}) '
+            f'{t("<｜tool▁call▁end｜>")}\n'
+            + "".join(_args_rule(f"args{i}", f["parameters"]) for i, f in enumerate(functions)))
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A family's tool-call format."""
+    name: str
+    marker: str             # a text its chat template writes: how the family is recognised
+    parse: Callable         # (text, functions) -> (content, calls)
+    tokens: tuple           # its marker tokens (special tokens in its tokenizer): kept in the text when tools are offered
+    trigger: "str | None" = None                # the token that opens its calls
+    grammar: "Callable | None" = None           # (functions, t, parallel) -> Lark text for what follows the trigger
+
+
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+
+# One registry: the first whose marker the template has is the family's (GLM-4.5's before Hermes: both write
+# <tool_call>). gpt-oss's harmony calls are parsed, not constrained: a call opens with a channel header whose
+# tokens also open its analysis and final messages.
+FORMATS = [
+    ToolFormat("glm45", "<arg_key>", _glm45,
+               ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+               "<tool_call>", _glm45_grammar),
+    ToolFormat("hermes", "<tool_call>", _hermes, ("<tool_call>", "</tool_call>"), "<tool_call>", _hermes_grammar),
+    ToolFormat("kimi_k2", "<|tool_call_begin|>", _kimi_k2,
+               ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+               "<|tool_calls_section_begin|>", _kimi_k2_grammar),
+    ToolFormat("deepseek_v3", "<｜tool▁call▁begin｜>", _deepseek_v3,
+               ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                "<｜tool▁call▁end｜>"),
+               "<｜tool▁calls▁begin｜>", _deepseek_v3_grammar),
+    ToolFormat("harmony", "<|channel|>", _harmony, HARMONY_TOKENS),
 ]
+_BY_NAME = {f.name: f for f in FORMATS}
 
 
-def parser_for(template_text: "str | None"):
-    """The family parser whose marker the chat template writes; Hermes (the most common) when none does."""
-    for name, marker, fn in PARSERS:
-        if template_text and marker in template_text:
-            return name, fn
-    return "hermes", _hermes
+def tool_format(template_text: "str | None") -> ToolFormat:
+    """The family format whose marker the chat template writes; Hermes (the most common) when none does."""
+    for f in FORMATS:
+        if template_text and f.marker in template_text:
+            return f
+    return _BY_NAME["hermes"]
 
 
-def parse_auto(parser, text: str) -> "tuple[str | None, list]":
+def keep_tokens(fmt: ToolFormat, tok) -> frozenset:
+    """Ids of the format's marker tokens in this tokenizer (kept in the output text)."""
+    return frozenset(i for i in (tok.token_id(m) for m in fmt.tokens) if i is not None)
+
+
+def trigger(fmt: ToolFormat, tools: Tools, tok) -> "list | None":
+    """The engine's trigger for auto calls, [token id, "lark", grammar]: None where the format has none or the
+    tokenizer has no single token for its opening marker (then the output is only parsed)."""
+    if tools.choice != "auto" or fmt.trigger is None:
+        return None
+    tid = tok.token_id(fmt.trigger)
+    if tid is None:
+        return None
+
+    def t(marker: str) -> str:
+        i = tok.token_id(marker)
+        return f"<[{i}]>" if i is not None else json.dumps(marker)
+    return [tid, "lark", fmt.grammar(tools.functions, t, tools.parallel)]
+
+
+def parse_auto(fmt: ToolFormat, text: str, functions: "list | None" = None) -> "tuple[str | None, list]":
     """(content or None, tool_calls) of a free output."""
-    content, calls = parser(text)
+    content, calls = fmt.parse(text, functions or [])
     return (content.strip() or None) if calls else text, calls

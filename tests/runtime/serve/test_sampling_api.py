@@ -163,9 +163,12 @@ def _valid(v, schema) -> bool:
         return (isinstance(v, list) and len(v) <= schema.get("maxItems", len(v))
                 and all(_valid(x, schema["items"]) for x in v))
     if t == "string":
-        return isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
+        import re
+        return (isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
+                and re.search(schema.get("pattern", ""), v) is not None)
     if t == "integer":
-        return isinstance(v, int) and not isinstance(v, bool)
+        return (isinstance(v, int) and not isinstance(v, bool) and schema.get("minimum", v) <= v
+                <= schema.get("maximum", v))
     if t == "boolean":
         return isinstance(v, bool)
     return False
@@ -279,15 +282,14 @@ def test_required_and_named_tool_calls_with_the_official_client(server):
 ])
 def test_each_familys_tool_call_format_parses(family, text, content):
     """The families' tool-call formats as their chat templates define them, written out here."""
-    from runtime.serve.tools import PARSERS, parse_auto, parser_for
-    fn = next(f for name, _, f in PARSERS if name == family)
-    marker = next(m for name, m, _ in PARSERS if name == family)
-    assert parser_for("{% for t in tools %}" + marker + "{% endfor %}")[0] == family   # picked by its template
-    got_content, calls = parse_auto(fn, text)
+    from runtime.serve.tools import FORMATS, parse_auto, tool_format
+    fmt = next(f for f in FORMATS if f.name == family)
+    assert tool_format("{% for t in tools %}" + fmt.marker + "{% endfor %}") is fmt   # picked by its template
+    got_content, calls = parse_auto(fmt, text)
     assert got_content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("get_weather", {"city": "Paris", "days": 3})]
-    assert parse_auto(fn, "no call here") == ("no call here", [])
+    assert parse_auto(fmt, "no call here") == ("no call here", [])
 
 
 def test_stop_token_ids_and_ignore_eos(server):
