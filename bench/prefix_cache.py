@@ -6,9 +6,11 @@ prefix-cache hits, from /metrics), time to first token (client side, p50 / p95),
 two runs' texts are identical (greedy).
 
 Checkpoint: a synthetic MoE of realistic shape built here (hidden 512, 32 experts, 8 layers, top-2), every
-expert resident (what this measures is prefill, not the expert cache).
+expert resident (what this measures is prefill, not the expert cache). ``--model k3``: a Kimi-K3-shaped hybrid
+(Kimi Delta Attention and MLA 3:1, hidden 512, 32 LatentMoE experts, top-4) - per-sequence recurrent state, reused
+through the prefix cache's state snapshots; written to prefix_cache_k3.md.
 
-Usage: python bench/prefix_cache.py [--quick] [--repeats 3] [--outdir bench/results]
+Usage: python bench/prefix_cache.py [--quick] [--model moe|k3] [--repeats 3] [--outdir bench/results]
 """
 import concurrent.futures as cf
 import os
@@ -30,14 +32,20 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def build(workdir: str, quick: bool) -> str:
+def build(workdir: str, quick: bool, model: str = "moe") -> str:
     from runtime.model.convert import convert
-    from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
-    spec = SyntheticModelSpec(hidden_size=256 if quick else 512, intermediate_size=256 if quick else 512,
-                              num_layers=2 if quick else 8, num_experts=32, num_heads=8, num_kv_heads=2)
-    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    from runtime.model.synthetic import K3ShapeSpec, SyntheticModelSpec, build_checkpoint, build_k3_checkpoint
+    hf, store = os.path.join(workdir, model, "hf"), os.path.join(workdir, model, "store")
     if not os.path.exists(os.path.join(store, "manifest.json")):
-        build_checkpoint(hf, spec)
+        if model == "k3":
+            build_k3_checkpoint(hf, K3ShapeSpec(hidden_size=256 if quick else 512, latent_size=128 if quick else 256,
+                                                num_layers=4 if quick else 8, num_experts=32, top_k=4,
+                                                kda_heads=4, kda_head_dim=64, mla_heads=4))
+        else:
+            build_checkpoint(hf, SyntheticModelSpec(hidden_size=256 if quick else 512,
+                                                    intermediate_size=256 if quick else 512,
+                                                    num_layers=2 if quick else 8, num_experts=32, num_heads=8,
+                                                    num_kv_heads=2))
         convert(hf, store)
     return store
 
@@ -86,11 +94,16 @@ def main(argv=None) -> None:
     ap = ec.parser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--model", choices=("moe", "k3"), default="moe",
+                    help="moe: full attention; k3: a Kimi-K3-shaped KDA + MLA hybrid (per-sequence state)")
     a = ap.parse_args(argv)
-    cmd = "python bench/prefix_cache.py" + (" --quick" if a.quick else "") + f" --repeats {a.repeats}"
-    rep = ec.Report("prefix_cache", a.outdir, cmd, "Prefix caching: a chat workload with a shared system prompt")
+    cmd = ("python bench/prefix_cache.py" + (" --quick" if a.quick else "") + f" --repeats {a.repeats}"
+           + (f" --model {a.model}" if a.model != "moe" else ""))
+    name = "prefix_cache" + ("_k3" if a.model == "k3" else "")
+    rep = ec.Report(name, a.outdir, cmd, "Prefix caching: a chat workload with a shared system prompt"
+                    + (" (a KDA + MLA hybrid: the state through snapshots)" if a.model == "k3" else ""))
     workdir = a.workdir or tempfile.mkdtemp(prefix="tiered-moe-pc-")
-    store = build(workdir, a.quick)
+    store = build(workdir, a.quick, a.model)
     from runtime.tokenizer import Tokenizer
     n, sys_tokens, max_tokens = (8, 200, 4) if a.quick else (32, 1000, 16)
     system, questions = workload(Tokenizer(store), n, sys_tokens)

@@ -362,6 +362,7 @@ def _runtime_config(a, max_active="args"):
                              max_active=a.max_active if max_active == "args" else max_active,
                              cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
                              prefix_caching=not getattr(a, "no_prefix_caching", False),
+                             prefix_snapshots=getattr(a, "prefix_snapshots", None),
                              profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "none"),
                              dense_quant=getattr(a, "dense_quant", "none"),
                              tensor_parallel=getattr(a, "tensor_parallel", 1),

@@ -129,7 +129,12 @@ def _add_engine_args(p, max_batch: int) -> None:
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per sequence per step")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM; "
-                        "models with per-sequence state - linear attention, sliding windows - never reuse)")
+                        "models with per-sequence state - linear attention, sliding windows, DeepSeek-V4 - also "
+                        "keep that state at block boundaries: --prefix-snapshots)")
+    p.add_argument("--prefix-snapshots", type=int, default=None, metavar="N",
+                   help="models with per-sequence state: how many snapshots of it the prefix cache keeps (each the "
+                        "size of one sequence's state, out of the KV cache budget; default: --max-active; 0: no "
+                        "prefix reuse for them)")
     _add_threads(p)
     _add_cache_bonus(p)
     _add_schedule(p)

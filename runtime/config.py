@@ -32,6 +32,7 @@ class RuntimeConfig:
     tensor_parallel: int = 1             # ranks that split every expert and the attention heads (runtime/parallel)
     pipeline_parallel: int = 1           # stages of consecutive layers (x tensor_parallel ranks each)
     prefix_caching: bool = True          # reuse the KV blocks of cached prompt prefixes (BlockManager)
+    prefix_snapshots: "int | None" = None   # state snapshots for the prefix cache (stateful models; None: max_active)
 
     def __post_init__(self) -> None:
         from cache_policy.cost_model import load_profile
@@ -71,6 +72,8 @@ class RuntimeConfig:
         from .model.layers.dense import DENSE_QUANT
         if self.dense_quant not in DENSE_QUANT:
             raise ValueError(f"--dense-quant {self.dense_quant!r}: use {', '.join(DENSE_QUANT)}")
+        if self.prefix_snapshots is not None and (not isinstance(self.prefix_snapshots, int) or self.prefix_snapshots < 0):
+            raise ValueError(f"--prefix-snapshots must be a non-negative integer, got {self.prefix_snapshots!r}")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise ValueError(f"--tensor-parallel must be a positive integer, got {self.tensor_parallel!r}")
         if not isinstance(self.pipeline_parallel, int) or self.pipeline_parallel < 1:
@@ -124,4 +127,4 @@ class RuntimeConfig:
         return Engine(model, store, max_batch=batch, prefill_chunk=self.prefill_chunk, prefetch=self.prefetch,
                       cache_bonus=self.cache_bonus, schedule=self.schedule, max_active=max_active,
                       prefetch_rule=self.prefetch_rule, keep_records=keep_records,
-                      prefix_caching=self.prefix_caching)
+                      prefix_caching=self.prefix_caching, prefix_snapshots=self.prefix_snapshots)

@@ -82,16 +82,18 @@ def device_memory(device: "str | None", profile: "str | None") -> "tuple[int, st
     return MultiGPU.of(cm.load_profile(name)).hbm_bytes, f"the {name} profile's GPU (no CUDA device here)"
 
 
-def cache_bytes(cfg, dtype, context: int, batch: int, layers: "set | None" = None) -> int:
+def cache_bytes(cfg, dtype, context: int, batch: int, layers: "set | None" = None,
+                snapshots: "int | None" = None) -> int:
     """KV blocks holding ``context`` tokens of each of ``batch`` sequences plus their fixed state, for the
-    layers in ``layers`` (None: all), as PagedKV allocates them (whole blocks)."""
+    layers in ``layers`` (None: all), as PagedKV allocates them (whole blocks) - and, where the layers keep
+    per-sequence state, the prefix cache's ``snapshots`` of it (the engine's default: one per sequence)."""
     from .model.layers.cache import cache_specs, kv_block_size
     specs = {i: s for i, s in cache_specs(cfg).items() if layers is None or i in layers}
     per_tok = sum(s.bytes_per_token(dtype) for s in specs.values() if hasattr(s, "bytes_per_token"))
     per_seq = sum(s.bytes_per_sequence(dtype) for s in specs.values() if hasattr(s, "bytes_per_sequence"))
     bs = kv_block_size(cfg)
     blocks = batch * -(-context // bs)
-    return int(math.ceil(blocks * bs * per_tok)) + batch * int(per_seq)
+    return int(math.ceil(blocks * bs * per_tok)) + (batch + (batch if snapshots is None else snapshots)) * int(per_seq)
 
 
 def dense_shapes(store_dir: str) -> dict:
@@ -188,7 +190,7 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
             step_bytes.append(step_dense_bytes(cfg, dense_all, dtype, layers, s == 0, s == pp - 1))
             stages.append(RankPlan(layout=str(Layout(tp, pp)), tp=tp, pp=pp, stage=s, layers=sorted(layers),
                                    split=split, host_bytes_per_node=(b - a) * m.num_experts * m.blob_stride,
-                                   kv_per_rank_per_token=cache_bytes(p.cfg, dtype, 1, 1, layers)))
+                                   kv_per_rank_per_token=cache_bytes(p.cfg, dtype, 1, 1, layers, snapshots=0)))
         if not stages:
             continue
         slots = min(s.split.expert_slots for s in stages)

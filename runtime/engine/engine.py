@@ -29,13 +29,16 @@ class Engine:
     def __init__(self, model, store, *, max_batch: int = 16, prefill_chunk: int = 64, prefetch: str = "none",
                  prefetch_budget: "int | None" = None, max_context: "int | None" = None,
                  schedule: str = "fcfs", max_active: "int | None" = None, cache_bonus: float = 0.0,
-                 prefetch_rule: str = "cost", keep_records: bool = True, prefix_caching: bool = True) -> None:
+                 prefetch_rule: str = "cost", keep_records: bool = True, prefix_caching: bool = True,
+                 prefix_snapshots: "int | None" = None) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be positive")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose {' or '.join(SCHEDULES)}")
         if max_active is not None and max_active < max_batch:
             raise ValueError(f"max_active ({max_active}) must be at least max_batch ({max_batch})")
+        if prefix_snapshots is not None and (not isinstance(prefix_snapshots, int) or prefix_snapshots < 0):
+            raise ValueError(f"prefix_snapshots must be a non-negative integer, got {prefix_snapshots!r}")
         if not cache_bonus >= 0:
             raise ValueError(f"cache_bonus must be >= 0, got {cache_bonus!r}")
         from cache_policy.replay import PREFETCH_RULES
@@ -77,11 +80,17 @@ class Engine:
         # The KV cache: preallocated blocks (load_model's kv_cache_bytes, else max_batch sequences of
         # 1024 tokens, and at least one sequence of the whole context up to 8192); admission by free
         # blocks, preemption when out. Its memory is fixed from here on.
+        # Models with per-sequence state: the prefix cache keeps that state at block boundaries in spare state slots
+        # (BlockManager.snapshot), max_active of them unless told; they come out of the same budget.
+        per_seq = model.state_bytes_per_sequence()
+        self.prefix_snapshots = (0 if not (prefix_caching and per_seq) else
+                                 max_active if prefix_snapshots is None else prefix_snapshots)
         if model.kv is None:
             tokens = max(max_batch * min(self.max_context, 1024), min(self.max_context, 8192))
             # Linear-attention layers: a fixed state slot per running sequence comes out of the same budget.
             model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token()
-                          + max_active * model.state_bytes_per_sequence(), max_seqs=max_active)
+                          + (max_active + self.prefix_snapshots) * per_seq, max_seqs=max_active,
+                          snapshots=self.prefix_snapshots)
         self.scheduler = Scheduler(lambda: self.model.kv.manager, max_batch=max_batch, max_active=max_active,
                                    prefill_chunk=prefill_chunk, step_tokens=self._step_tokens(max_batch),
                                    schedule=schedule, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,

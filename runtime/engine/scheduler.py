@@ -35,9 +35,13 @@ class Scheduler:
         # applies the tokens one rank sampled. None: a single process.
         self.token_sync = None
         # Prefix caching (BlockManager.match / register): a request starts from the cached blocks of its
-        # prompt's longest cached prefix. Not for models with per-sequence state (linear attention, sliding-window
-        # rings, DeepSeek-V4's compressed caches): their state at a block boundary is not kept.
+        # prompt's longest cached prefix. Models with per-sequence state (linear attention, sliding-window rings,
+        # DeepSeek-V4's compressor windows) also need the state there: a prompt's prefill is cut at block
+        # boundaries where that state is worth keeping (``_boundaries``) and snapshotted there (BlockManager.snapshot).
         self.prefix_caching = prefix_caching
+        # ... every this many tokens (a whole number of blocks), besides the prompt's last full block and the end
+        # of what the cache held when it was admitted (where another request with the same prefix will look)
+        self.snapshot_every = 256
 
     @property
     def blocks(self) -> BlockManager:
@@ -109,7 +113,7 @@ class Scheduler:
             if seqs is not None:
                 seqs -= 1
             self.running.append(self.waiting.pop(0))
-            if self.prefix_caching and not self.blocks.state_slots:
+            if self.prefix_caching:
                 hit = self.blocks.match(r.seq, r.recompute if r.recompute is not None else r.prompt)
                 if hit:
                     r.fed = hit           # the cached prefix is in the cache already: feed the rest
@@ -120,7 +124,7 @@ class Scheduler:
         chat requests with one system prompt computes it once)."""
         bs = self.blocks.block_size
         src = r.recompute if r.recompute is not None else r.prompt
-        if self.blocks.state_slots or len(src) <= bs:
+        if (self.blocks.state_slots and not self.blocks.snapshots) or len(src) <= bs:
             return False
         head = src[:bs]
         return any(not self.decoding(x) and (x.recompute if x.recompute is not None else x.prompt)[:bs] == head
@@ -131,7 +135,22 @@ class Scheduler:
             return [r.output[-1]]
         src = r.recompute if r.recompute is not None else r.prompt
         n = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
+        if n > 0 and self._snapshots():
+            n = min(n, min((b for b in self._boundaries(r, src) if b > r.fed), default=len(src)) - r.fed)
         return src[r.fed:r.fed + n] if n > 0 else None
+
+    def _snapshots(self) -> bool:
+        return self.prefix_caching and bool(self.blocks.snapshots)
+
+    def _boundaries(self, r: Request, src: list) -> list:
+        """Where a prompt's state is snapshotted (its prefill chunks end there): every ``snapshot_every`` tokens,
+        the end of what the cache held at its admission (a burst sharing a system prompt: the next request finds
+        the state where the shared blocks end) and its last full block (a repeated prompt, n choices, the next
+        turn of a chat) - block boundaries short of the prompt's last token."""
+        bs = self.blocks.block_size
+        every = -(-self.snapshot_every // bs) * bs
+        last = (len(src) - 1) // bs * bs
+        return [b for b in (r.seq.cached_to, last) if 0 < b] + list(range(every, last, every))
 
     def _preempt(self, r: Request) -> None:
         """Free a running request's KV blocks; it waits at the head of the queue and is fed again
@@ -193,6 +212,10 @@ class Scheduler:
             for r in sched.requests:      # full blocks fed this step join the prefix cache
                 if r.seq.length // bs > r.seq.hashed:
                     self.blocks.register(r.seq, r.prompt + r.output)
+                if self._snapshots() and not self.decoding(r) and r.seq.length % bs == 0:
+                    src = r.recompute if r.recompute is not None else r.prompt
+                    if r.seq.length in self._boundaries(r, src):
+                        self.blocks.snapshot(r.seq, src)      # the state after this step's chunk
         for r, s, pick in zip(sched.requests, sampled, picks):
             if not s:
                 out.append(StepOutput(r.id, None))

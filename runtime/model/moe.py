@@ -248,26 +248,30 @@ class MoEModel:
         return tokens * self.kv_bytes_per_token() + self.state_bytes_per_sequence()
 
     def init_kv(self, nbytes: "int | None" = None, block_size: "int | None" = None,
-                max_seqs: "int | None" = None, num_blocks: "int | None" = None) -> PagedKV:
+                max_seqs: "int | None" = None, num_blocks: "int | None" = None, snapshots: int = 0) -> PagedKV:
         """Preallocate the cache from one budget: ``nbytes`` (else the model's kv_bytes, else room for
         16 sequences of up to 4096 tokens). With linear-attention layers ``max_seqs`` (default 16)
         state slots come out of it first; the rest is KV blocks of ``block_size`` tokens (default 16, a
         multiple of every DeepSeek-V4 compress rate). ``num_blocks``: exactly this many blocks (the ranks
-        of a group agree on one count: runtime/parallel/group.py)."""
+        of a group agree on one count: runtime/parallel/group.py). ``snapshots``: spare state slots for the prefix
+        cache (layers/cache.py BlockManager.snapshot), out of the same budget."""
         block_size = block_size or kv_block_size(self.cfg)
         per_tok, per_seq = self.kv_bytes_per_token(), self.state_bytes_per_sequence()
         seqs = (max_seqs or 16) if per_seq else 0
+        snaps = snapshots if per_seq else 0
         nbytes = nbytes or self.kv_bytes or 16 * (min(self.cfg.max_position_embeddings, 4096) * per_tok + per_seq)
         if per_tok:
-            blocks = int((nbytes - seqs * per_seq) // (per_tok * block_size))
+            blocks = int((nbytes - (seqs + snaps) * per_seq) // (per_tok * block_size))
         else:   # no layer caches per token (every one sliding or linear): blocks only number positions
-            blocks = seqs * -(-self.cfg.max_position_embeddings // block_size) if nbytes >= seqs * per_seq else 0
+            blocks = (seqs * -(-self.cfg.max_position_embeddings // block_size)
+                      if nbytes >= (seqs + snaps) * per_seq else 0)
         if num_blocks is not None:
             blocks = int(num_blocks)
         if blocks < 1:
-            need = seqs * per_seq + per_tok * block_size
+            need = (seqs + snaps) * per_seq + per_tok * block_size
             raise ValueError(f"KV cache budget {nbytes:,} bytes is smaller than "
                              + (f"the recurrent state of {seqs} sequences ({seqs * per_seq:,} bytes) + " if seqs else "")
+                             + (f"{snaps} prefix-cache state snapshots ({snaps * per_seq:,} bytes) + " if snaps else "")
                              + f"one block of {block_size} tokens ({per_tok * block_size:,} bytes): the minimum is "
                              f"{need:,} bytes")
         h, d, v = self.kv_shape()
@@ -277,7 +281,8 @@ class MoEModel:
                           block_size=block_size, with_v=v, state=specs[0] if specs else None,
                           state_layers=len(specs), state_slots=seqs, window=wins[0] if wins else None,
                           window_layers=len(wins),
-                          v4=[s for s in self.cache_specs().values() if isinstance(s, CompressedCacheSpec)])
+                          v4=[s for s in self.cache_specs().values() if isinstance(s, CompressedCacheSpec)],
+                          snapshots=snaps)
         return self.kv
 
     def release(self, seq: Sequence) -> None:

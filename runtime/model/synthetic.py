@@ -243,12 +243,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def write_byte_tokenizer(out_dir: str, vocab_size: int) -> None:
-    """A byte-level tokenizer (ids 0-255: the bytes, GPT-2's byte-to-unicode alphabet; the rest of
-    the vocabulary: plain tokens ``<|xNNN|>``) in tokenizer.json, and a tokenizer_config.json with
-    a chat template - so the synthetic model can be served with text and chat like a real one."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    # GPT-2's byte order: printable bytes map to themselves, the rest to 256+ code points.
+def bytes_to_unicode() -> dict:
+    """GPT-2's byte -> printable character table (what a byte-level BPE's vocabulary strings are written in):
+    printable bytes map to themselves, the rest to code points from 256 on."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
@@ -256,7 +253,15 @@ def write_byte_tokenizer(out_dir: str, vocab_size: int) -> None:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    char_of = {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def write_byte_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """A byte-level tokenizer (ids 0-255: the bytes, GPT-2's byte-to-unicode alphabet; the rest of
+    the vocabulary: plain tokens ``<|xNNN|>``) in tokenizer.json, and a tokenizer_config.json with
+    a chat template - so the synthetic model can be served with text and chat like a real one."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    char_of = bytes_to_unicode()
     vocab = {char_of[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

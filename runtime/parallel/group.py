@@ -397,7 +397,7 @@ def _engine(rank: Rank, cfg, model, store, kw: dict):
     # takes the smallest, so admission and preemption decide the same everywhere.
     n = rank.min([model.kv.num_blocks])[0]
     if n != model.kv.num_blocks:
-        model.init_kv(model.kv_bytes, max_seqs=eng.scheduler.max_active, num_blocks=n)
+        model.init_kv(model.kv_bytes, max_seqs=eng.scheduler.max_active, num_blocks=n, snapshots=eng.prefix_snapshots)
     if rank.pp > 1:
         leaders = [s * rank.tp for s in range(rank.pp)]
         eng.routing_sync = lambda mine: _merge_routing(rank.all_gather(mine), leaders)

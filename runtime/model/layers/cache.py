@@ -20,6 +20,8 @@ class Sequence:
     slot_ids: "torch.Tensor | None" = None     # token slot of each position its blocks cover
     state: "int | None" = None                 # its slot of the recurrent-state arena (linear-attention layers)
     hashed: int = 0                            # its leading full blocks registered in the prefix cache
+    cached_to: int = 0                         # tokens of its prompt the prefix cache held when it was admitted
+    parent: "tuple | None" = None              # the cached (block, generation) its last registered block's key is
 
     @property
     def slot(self):            # "holds KV" (kept for callers that asked for a slot)
@@ -159,12 +161,26 @@ class BlockManager:
     prefix exactly (no hash to collide: the key holds the tokens, and the parent's identity changes when
     it is evicted). Blocks are counted by reference; a registered block nobody holds stays cached,
     evictable in LRU order (a freed sequence's tail first), and is taken back only when no plain free block
-    is left. ``match`` hands a new sequence the cached blocks of its prompt's longest cached prefix."""
+    is left. ``match`` hands a new sequence the cached blocks of its prompt's longest cached prefix.
 
-    def __init__(self, num_blocks: int, block_size: int, state_slots: int, device) -> None:
+    Models with per-sequence state (linear attention's recurrent state, sliding-window rings, DeepSeek-V4's
+    compressor windows) need that state at the prefix's end too, and it is not in any block: ``snapshot`` copies
+    a sequence's state, at a block boundary, into one of ``snapshots`` spare state slots, filed under the block
+    that ends there (vLLM's prefix caching for hybrid models caches the state at block boundaries the same way).
+    A prefix then matches only up to its deepest block with a snapshot, which ``match`` copies into the new
+    sequence's own slot (``copy_state(src, dst)``, the cache's tensors). Snapshots are evicted LRU, and with the
+    block they belong to."""
+
+    def __init__(self, num_blocks: int, block_size: int, state_slots: int, device, snapshots: int = 0,
+                 copy_state=None) -> None:
         self.num_blocks, self.block_size, self.state_slots, self.device = num_blocks, block_size, state_slots, device
         self.free: list = list(range(num_blocks - 1, -1, -1))
         self.free_state: list = list(range(state_slots - 1, -1, -1))
+        # state slots state_slots .. state_slots + snapshots - 1 hold snapshots (no sequence runs in them)
+        self.snapshots = snapshots if state_slots else 0
+        self.free_snap: list = list(range(state_slots + self.snapshots - 1, state_slots - 1, -1))
+        self.snap: OrderedDict = OrderedDict()    # block -> the snapshot slot of the state after it, LRU first
+        self.copy_state = copy_state
         self.ref = [0] * num_blocks               # sequences holding each block
         self.gen = [0] * num_blocks               # bumped when a cached block is evicted: its old key dies
         self.key_of: dict = {}                    # block -> its key (registered blocks)
@@ -185,6 +201,9 @@ class BlockManager:
         if self.cached.get(key) == b:
             del self.cached[key]
         self.gen[b] += 1
+        s = self.snap.pop(b, None)            # the state after an evicted block can no longer be matched
+        if s is not None:
+            self.free_snap.append(s)
         return b
 
     def _slots(self, blocks: list) -> torch.Tensor:
@@ -192,41 +211,82 @@ class BlockManager:
         return (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(
             self.device)
 
-    def match(self, seq: Sequence, tokens: list) -> int:
-        """Give a sequence that holds nothing the cached blocks of ``tokens``' longest cached prefix of full
-        blocks - leaving at least one token to feed (its logits are needed); returns the tokens it covers."""
-        if seq.blocks or self.state_slots:
-            return 0
-        bs = self.block_size
-        self.queries += len(tokens)
-        got, parent = [], None
-        for i in range((len(tokens) - 1) // bs):
+    def _chain(self, tokens: list, n: int) -> list:
+        """The cached blocks of ``tokens``' first ``n`` full blocks, as far as they are cached."""
+        bs, got, parent = self.block_size, [], None
+        for i in range(n):
             b = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if b is None:
                 break
             got.append(b)
             parent = (b, self.gen[b])
+        return got
+
+    def match(self, seq: Sequence, tokens: list) -> int:
+        """Give a sequence that holds nothing the cached blocks of ``tokens``' longest cached prefix of full
+        blocks - leaving at least one token to feed (its logits are needed) - and, with per-sequence state, a
+        state slot holding the state after them (the prefix then ends at its deepest block with a snapshot);
+        returns the tokens it covers."""
+        if seq.blocks or seq.state is not None or (self.state_slots and not self.snapshots):
+            return 0
+        bs = self.block_size
+        self.queries += len(tokens)
+        got = self._chain(tokens, (len(tokens) - 1) // bs)
+        seq.cached_to = len(got) * bs
+        if self.state_slots:
+            while got and got[-1] not in self.snap:
+                got.pop()
+            if got:
+                seq.state = self.free_state.pop()      # admission saw a free slot
+                self.copy_state(self.snap[got[-1]], seq.state)
+                self.snap.move_to_end(got[-1])
         for b in got:
             if self.ref[b] == 0:
                 del self.evictable[b]
             self.ref[b] += 1
         if got:
             seq.blocks, seq.hashed, seq.length = list(got), len(got), len(got) * bs
+            seq.parent = (got[-1], self.gen[got[-1]])
             seq.slot_ids = self._slots(got)
         self.hits += len(got) * bs
         return len(got) * bs
+
+    def snapshot(self, seq: Sequence, tokens: list) -> None:
+        """File the sequence's state (it has fed exactly ``seq.length`` tokens, a whole number of blocks) under the
+        cached block that ends there - once per block; the least recently used snapshot makes room."""
+        bs = self.block_size
+        n = seq.length // bs
+        if not self.snapshots or seq.state is None or n == 0 or seq.length % bs:
+            return
+        chain = self._chain(tokens, n)
+        if len(chain) < n:
+            return                                  # not all of it cached (evicted meanwhile): nothing to file under
+        b = chain[-1]
+        if b in self.snap:
+            self.snap.move_to_end(b)
+            return
+        slot = self.free_snap.pop() if self.free_snap else self.snap.popitem(last=False)[1]
+        self.copy_state(seq.state, slot)
+        self.snap[b] = slot
 
     def register(self, seq: Sequence, tokens: list) -> None:
         """Register the sequence's full blocks fed since the last call (``tokens``: at least its fed ones). A
         block whose prefix is cached already in another block stays unregistered (one copy is cached)."""
         bs = self.block_size
+        parent = seq.parent if seq.hashed else None
         for i in range(seq.hashed, min(seq.length // bs, len(seq.blocks))):
             b = seq.blocks[i]
-            parent = None if i == 0 else (seq.blocks[i - 1], self.gen[seq.blocks[i - 1]])
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
-            if key not in self.cached and b not in self.key_of:
+            c = self.cached.get(key)
+            if c is None and b not in self.key_of:
                 self.cached[key] = b
                 self.key_of[b] = key
+            # the next key's parent is the cached copy of this block: a sequence that computed a cached prefix
+            # again (admitted beside the request computing it, or restarting from an earlier state snapshot)
+            # files what follows under the chain a later request walks
+            c = b if c is None else c
+            parent = (c, self.gen[c])
+        seq.parent = parent
         seq.hashed = max(seq.hashed, seq.length // bs)
 
     @property
@@ -264,7 +324,7 @@ class BlockManager:
                     self.evictable[b] = None
                 else:
                     self.free.append(b)
-        seq.blocks, seq.slot_ids, seq.hashed = [], None, 0
+        seq.blocks, seq.slot_ids, seq.hashed, seq.cached_to, seq.parent = [], None, 0, 0, None
         if seq.state is not None:
             self.free_state.append(seq.state)
             seq.state = None
@@ -286,7 +346,7 @@ class PagedKV:
     def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
                  with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
                  state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0,
-                 v4: "list | tuple" = ()) -> None:
+                 v4: "list | tuple" = (), snapshots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
         if (state_layers or window_layers or v4) and state_slots < 1:
@@ -295,8 +355,11 @@ class PagedKV:
         T = num_blocks * block_size
         self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
         self.v = torch.zeros_like(self.k) if with_v else None
-        self.manager = BlockManager(num_blocks, block_size, state_slots if (state_layers or window_layers or v4) else 0,
-                                    device)
+        stateful = bool(state_layers or window_layers or v4)
+        self.manager = BlockManager(num_blocks, block_size, state_slots if stateful else 0, device,
+                                    snapshots=snapshots if stateful else 0, copy_state=self.copy_state)
+        # state arenas: the sequences' slots, then the prefix cache's snapshots (BlockManager.snapshot)
+        state_slots = state_slots + self.manager.snapshots
         self.v4 = [V4Arena(spec, num_blocks, block_size, state_slots, dtype, device) for spec in v4]
         self.rec = self.conv = self.win_k = self.win_v = None
         if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
@@ -306,6 +369,16 @@ class PagedKV:
             self.win_k = torch.zeros(window_layers, state_slots, window.window, window.heads, window.dim, dtype=dtype,
                                      device=device)
             self.win_v = torch.zeros_like(self.win_k) if window.with_v else None
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy state slot ``src`` into ``dst``: every per-sequence tensor (recurrent and convolution states,
+        window rings, DeepSeek-V4's windows)."""
+        for t in (self.rec, self.conv, self.win_k, self.win_v):
+            if t is not None:
+                t[:, dst] = t[:, src]               # t: [layers, slots, ...]
+        for a in self.v4:
+            for t in a.state.values():
+                t[dst] = t[src]                     # t: [slots, ...]
 
     @property
     def nbytes(self) -> int:

@@ -91,3 +91,57 @@ def test_a_shared_system_prompt_is_computed_once(store):
     # a cache too small to keep the prefix for everyone: evictions, the same outputs
     small, _, _, _ = _chat(store, True, kv_tokens=3 * 1024)
     assert small == off
+
+
+def test_state_snapshots_at_block_boundaries():
+    """Per-sequence state: a prefix matches only up to its deepest block with a snapshot of the state after it,
+    which is copied into the new sequence's own slot; snapshots are evicted LRU and with their block."""
+    copies = []
+    m = BlockManager(num_blocks=8, block_size=2, state_slots=2, device="cpu", snapshots=2,
+                     copy_state=lambda src, dst: copies.append((src, dst)))
+    a = Sequence()
+    _fed(m, a, [1, 2, 3, 4])
+    m.snapshot(a, [1, 2, 3, 4])                    # the state after block [1, 2][3, 4] -> a spare slot
+    assert a.state == 0 and copies == [(0, 2)]      # sequences' slots 0-1, snapshots 2-3
+    _fed(m, a, [1, 2, 3, 4, 5, 6])
+    m.snapshot(a, [1, 2, 3, 4, 5, 6])
+    assert copies[-1] == (0, 3) and not m.free_snap
+    b = Sequence()
+    assert m.match(b, [1, 2, 3, 4, 5, 6, 7]) == 6 and b.state == 1 and copies[-1] == (3, 1)
+    m.release(b)
+    c = Sequence()
+    assert m.match(c, [1, 2, 3, 4, 9, 9, 9]) == 4 and copies[-1] == (2, c.state)   # the shallower snapshot
+    assert c.cached_to == 4
+    m.release(c)
+    d = Sequence()
+    assert m.match(d, [1, 2, 7]) == 0 and d.state is None and d.cached_to == 2    # block cached, no snapshot after it
+    # a third snapshot evicts the least recently used one (after [5, 6]: c used the one after [3, 4] since)
+    _fed(m, a, [1, 2, 3, 4, 5, 6, 7, 8])
+    m.snapshot(a, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert len(m.snap) == 2 and a.blocks[1] in m.snap and a.blocks[2] not in m.snap
+    # evicting a block drops its snapshot and frees the slot
+    m.release(a)
+    e = Sequence()
+    assert m.ensure(e, 16) and not m.snap and len(m.free_snap) == 2
+
+
+def test_without_spare_slots_stateful_models_do_not_match():
+    m = BlockManager(num_blocks=4, block_size=2, state_slots=1, device="cpu")
+    a = Sequence()
+    _fed(m, a, [1, 2, 3, 4])
+    m.snapshot(a, [1, 2, 3, 4])
+    m.release(a)
+    assert m.match(Sequence(), [1, 2, 3, 4, 5]) == 0
+
+
+def test_a_prefix_computed_twice_files_what_follows_under_the_cached_chain():
+    """Two sequences compute the same first block (admitted together); the second's next block is filed after the
+    cached copy, so a third request finds both blocks."""
+    m = BlockManager(num_blocks=8, block_size=2, state_slots=0, device="cpu")
+    a, b = Sequence(), Sequence()
+    _fed(m, a, [1, 2, 3])
+    _fed(m, b, [1, 2, 5, 6, 7])                 # its block [1, 2] duplicates a's: not registered
+    assert b.blocks[0] not in m.key_of
+    c = Sequence()
+    assert m.match(c, [1, 2, 5, 6, 9]) == 4    # a's [1, 2] then b's [5, 6]
+    assert c.blocks == [a.blocks[0], b.blocks[1]]
