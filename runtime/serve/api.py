@@ -714,14 +714,36 @@ class _Choices:
         content, calls = parse_auto(self.srv.tool_format, text, t.functions)
         return content, calls, "tool_calls" if calls else finish
 
-    def open_content(self, index: int) -> str:
-        """What of a tools choice's text so far is content for sure: the text before its format's opening marker
-        (less a tail that may be the marker's start); nothing for required / named calls or a format without one."""
+    def progress(self, index: int, held: dict) -> "tuple[str, list]":
+        """A streamed tools choice's news: (content not yet sent, tool-call deltas), from the text its detokenizer
+        has released (stop strings held back). ``held``: what was sent - content characters, and per call
+        [id, name, arguments sent]."""
+        from .tools import _call, stream_spans, streamable_arguments
         t, ev = self.tools, next(e for e in self.evs if e.index == index)
-        opener = self.srv.tool_format.trigger if t.choice == "auto" else None
+        fmt = self.srv.tool_format
+        text = ev.detok.text[:ev.detok.sent]
+        safe = self.open_content(text)
+        delta = safe[held["sent"]:]
+        held["sent"] = max(held["sent"], len(safe))
+        spans = stream_spans(t, fmt, text) or []
+        out, sent = [], held["calls"]
+        for i, (name, a, b) in enumerate(spans):
+            args = streamable_arguments(text, a, b, fmt.close if t.choice == "auto" else "")
+            if i == len(sent):
+                c = _call(name, args)
+                sent.append([c["id"], name, args])
+                out.append({"index": i, **c})
+            elif i < len(sent) and len(args) > len(sent[i][2]) and args.startswith(sent[i][2]):
+                out.append({"index": i, "function": {"arguments": args[len(sent[i][2]):]}})
+                sent[i][2] = args
+        return delta, out
+
+    def open_content(self, text: str) -> str:
+        """What of a tools choice's text is content for sure: the text before its format's opening marker (less a
+        tail that may be the marker's start); nothing for required / named calls or a format without one."""
+        opener = self.srv.tool_format.trigger if self.tools.choice == "auto" else None
         if opener is None:
             return ""
-        text = ev.detok.text
         i = text.find(opener)
         if i >= 0:
             return text[:i]
@@ -817,15 +839,24 @@ class _Stream:
         self.srv, self.ch, self.include_usage = srv, ch, include_usage
 
     def tool_chunk(self, chunk, index: int, finish: str, held: dict) -> dict:
-        """A tools choice's last chunk: the content not yet sent and its tool calls, with every log-probability
-        held back."""
+        """A tools choice's last chunk: the content not yet sent, what its calls' streamed deltas left out (the
+        calls of a format that does not stream them, whole), with every log-probability held back."""
         ev = next(e for e in self.ch.evs if e.index == index)
         content, calls, finish = self.ch.message(ev.detok.text, finish)
         rest = (content or "")[held["sent"]:] if calls else ev.detok.text[held["sent"]:]
         out = chunk(index, rest, finish, held["lps"])
         if calls:
+            deltas, sent = [], held["calls"]
+            for i, c in enumerate(calls):
+                fn = c["function"]
+                if i < len(sent) and sent[i][1] == fn["name"] and fn["arguments"].startswith(sent[i][2]):
+                    if len(fn["arguments"]) > len(sent[i][2]):
+                        deltas.append({"index": i, "function": {"arguments": fn["arguments"][len(sent[i][2]):]}})
+                else:        # not streamed (or, never expected, streamed otherwise): the call whole, at a new index
+                    deltas.append({"index": max(i, len(sent)), **c})
+                    sent.append([c["id"], fn["name"], fn["arguments"]])
             out["choices"][0]["delta"] = {**({"content": rest} if rest.strip() else {}),
-                                          "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                                          **({"tool_calls": deltas} if deltas else {})}
         return out
 
     async def __call__(self, scope, receive, send) -> None:
@@ -866,21 +897,25 @@ class _Stream:
             if chat:
                 for ev in ch.evs:
                     await event(chunk(ev.index, "", None, [], first=True))
-            held = {ev.index: {"sent": 0, "lps": []} for ev in ch.evs}
+            held = {ev.index: {"sent": 0, "lps": [], "calls": []} for ev in ch.evs}
             try:
                 async for index, delta, finish, lps in ch.merged():
                     if ch.tools is not None and chat:
-                        # the content before the format's opening marker streams; the calls are sent, one delta,
-                        # once the choice ends (with the log-probabilities of the tokens held back)
+                        # the content before the format's opening marker streams, then each call: its id and name,
+                        # then its arguments as they are written (OpenAI's deltas); a format without spans sends its
+                        # calls whole at the end
                         h = held[index]
                         h["lps"] += lps
                         if finish:
                             await event(self.tool_chunk(chunk, index, finish, h))
                             continue
-                        safe = ch.open_content(index)
-                        if len(safe) > h["sent"]:
-                            await event(chunk(index, safe[h["sent"]:], None, h["lps"]))
-                            h["sent"], h["lps"] = len(safe), []
+                        text, calls = ch.progress(index, h)
+                        if text or calls:
+                            c = chunk(index, text, None, h["lps"])
+                            if calls:
+                                c["choices"][0]["delta"] = {**({"content": text} if text else {}), "tool_calls": calls}
+                            await event(c)
+                            h["lps"] = []
                         continue
                     if delta or finish:
                         await event(chunk(index, delta, finish, lps))

@@ -98,9 +98,11 @@ def _call(name: str, arguments) -> dict:
 
 
 def constrained_calls(tools: Tools, text: str) -> list:
-    """The tool_calls of a required / named output (JSON by construction)."""
+    """The tool_calls of a required / named output (JSON by construction), arguments as written."""
     v = json.loads(text)
-    return [_call(c["name"], c["arguments"]) for c in (v if isinstance(v, list) else [v])]
+    calls = [_call(c["name"], c["arguments"]) for c in (v if isinstance(v, list) else [v])]
+    written = _span_calls(_json_spans(text, _CONSTRAINED_HEAD), text)
+    return written if len(written) == len(calls) else calls
 
 
 # -- the families' formats (auto) ------------------------------------------------------------------------------
@@ -253,6 +255,84 @@ def _deepseek_v3_grammar(functions: list, t, parallel: bool) -> str:
             + "".join(_args_rule(f"args{i}", f["parameters"]) for i, f in enumerate(functions)))
 
 
+# -- streaming: where each call's arguments are in a partial text ----------------------------------------------
+def _json_end(text: str, i: int) -> "int | None":
+    """Index just past the JSON value that starts at ``text[i]``; None while the text ends inside it."""
+    n = len(text)
+    if i >= n:
+        return None
+    if text[i] in "{[\"":
+        depth, in_str, esc = 0, False, False
+        for j in range(i, n):
+            ch = text[j]
+            if in_str:
+                if esc:
+                    esc = False
+                elif ch == "\\":
+                    esc = True
+                elif ch == '"':
+                    in_str = False
+                    if depth == 0:
+                        return j + 1               # a string value
+            elif ch == '"':
+                in_str = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+        return None
+    m = re.compile(r"[^,}\]\s]*").match(text, i)        # a number, true, false, null
+    return m.end() if m.end() < n else None
+
+
+def _held(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` may be the start of ``marker`` (or whitespace before it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def _json_spans(text: str, head: re.Pattern) -> list:
+    """(name, start, end or None) of each call whose head (``head``: the text up to its arguments, the name its
+    group 1) is in the text, arguments a JSON value that starts at ``start``; the next is looked for after it."""
+    out, pos = [], 0
+    while True:
+        m = head.search(text, pos)
+        if m is None:
+            return out
+        end = _json_end(text, m.end())
+        out.append((m.group(1), m.end(), end))
+        if end is None:
+            return out
+        pos = end
+
+
+def _marker_spans(text: str, head: re.Pattern, close: str) -> list:
+    """(name, start, end or None) of each call whose arguments run from its head to the ``close`` marker."""
+    out, pos = [], 0
+    while True:
+        m = head.search(text, pos)
+        if m is None:
+            return out
+        e = text.find(close, m.end())
+        out.append((m.group(1), m.end(), None if e < 0 else len(text[:e].rstrip())))
+        if e < 0:
+            return out
+        pos = e + len(close)
+
+
+# a head ends where its arguments' first character is (so a partial text never moves where they start)
+_CALL_HEAD = r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\S)'
+_HERMES_HEAD = re.compile(r"<tool_call>\s*" + _CALL_HEAD)
+_CONSTRAINED_HEAD = re.compile(_CALL_HEAD)
+_KIMI_HEAD = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.-]+?)(?::\d+)?\s*"
+                        r"<\|tool_call_argument_begin\|>\s*(?=\S)")
+_DEEPSEEK_HEAD = re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*([\w.-]+)\s*```(?:json)?\s*(?=[^\sj])")
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """A family's tool-call format."""
@@ -262,6 +342,8 @@ class ToolFormat:
     tokens: tuple           # its marker tokens (special tokens in its tokenizer): kept in the text when tools are offered
     trigger: "str | None" = None                # the token that opens its calls
     grammar: "Callable | None" = None           # (functions, t, parallel) -> Lark text for what follows the trigger
+    spans: "Callable | None" = None             # text -> [(name, arguments' start, end or None)]: streamed calls
+    close: str = ""                             # the marker that ends a call's arguments (spans by marker)
 
 
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
@@ -273,15 +355,18 @@ FORMATS = [
     ToolFormat("glm45", "<arg_key>", _glm45,
                ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
                "<tool_call>", _glm45_grammar),
-    ToolFormat("hermes", "<tool_call>", _hermes, ("<tool_call>", "</tool_call>"), "<tool_call>", _hermes_grammar),
+    ToolFormat("hermes", "<tool_call>", _hermes, ("<tool_call>", "</tool_call>"), "<tool_call>", _hermes_grammar,
+               lambda text: _json_spans(text, _HERMES_HEAD)),
     ToolFormat("kimi_k2", "<|tool_call_begin|>", _kimi_k2,
                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
-               "<|tool_calls_section_begin|>", _kimi_k2_grammar),
+               "<|tool_calls_section_begin|>", _kimi_k2_grammar,
+               lambda text: _marker_spans(text, _KIMI_HEAD, "<|tool_call_end|>"), "<|tool_call_end|>"),
     ToolFormat("deepseek_v3", "<｜tool▁call▁begin｜>", _deepseek_v3,
                ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
                 "<｜tool▁call▁end｜>"),
-               "<｜tool▁calls▁begin｜>", _deepseek_v3_grammar),
+               "<｜tool▁calls▁begin｜>", _deepseek_v3_grammar,
+               lambda text: _marker_spans(text, _DEEPSEEK_HEAD, "```"), "```"),
     ToolFormat("harmony", "<|channel|>", _harmony, HARMONY_TOKENS),
 ]
 _BY_NAME = {f.name: f for f in FORMATS}
@@ -315,7 +400,40 @@ def trigger(fmt: ToolFormat, tools: Tools, tok) -> "list | None":
     return [tid, "lark", fmt.grammar(tools.functions, t, tools.parallel)]
 
 
+def _span_calls(spans: list, text: str) -> list:
+    """The calls of complete spans whose arguments are JSON, their arguments as written (what was streamed)."""
+    calls = []
+    for name, a, b in spans:
+        if b is None or _json_obj(text[a:b]) is None:
+            return []
+        calls.append(_call(name, text[a:b]))
+    return calls
+
+
 def parse_auto(fmt: ToolFormat, text: str, functions: "list | None" = None) -> "tuple[str | None, list]":
-    """(content or None, tool_calls) of a free output."""
+    """(content or None, tool_calls) of a free output. A format that streams its calls: the calls its spans find
+    (arguments as written, so they equal what was streamed) when they are whole, else its parser's."""
     content, calls = fmt.parse(text, functions or [])
+    if calls and fmt.spans is not None:
+        calls = _span_calls(fmt.spans(text), text) or calls
     return (content.strip() or None) if calls else text, calls
+
+
+def stream_spans(tools: Tools, fmt: ToolFormat, text: str) -> "list | None":
+    """(name, start, end or None) of the calls in a partial output as far as they can be streamed; None: the calls
+    of this output are sent whole when it ends (a format without spans)."""
+    if tools.choice != "auto":
+        return _json_spans(text, _CONSTRAINED_HEAD)
+    if fmt.spans is None:
+        return None
+    return fmt.spans(text)
+
+
+def streamable_arguments(text: str, start: int, end: "int | None", close: str = "") -> str:
+    """What of a call's arguments can be sent now: all of them once their end is known; before, up to the end of
+    the text less trailing whitespace and a tail that may be the start of the closing marker."""
+    if end is not None:
+        return text[start:end]
+    part = text[start:]
+    part = part[:len(part) - _held(part, close)] if close else part
+    return part.rstrip()

@@ -248,11 +248,14 @@ def test_required_and_named_tool_calls_with_the_official_client(server):
                 if choice != "required":
                     assert call.function.name == "get_time"
                 assert _valid(json.loads(call.function.arguments), params[call.function.name])
-            streamed = [tc for x in c.chat.completions.create(
-                model=server.model_name, messages=msgs, tools=[WEATHER, TIME], seed=seed, tool_choice=choice,
-                max_tokens=96, temperature=1.0, stream=True) if x.choices and x.choices[0].delta.tool_calls
-                for tc in x.choices[0].delta.tool_calls]
-            assert [(t.function.name, t.function.arguments) for t in streamed] == \
+            streamed: dict = {}              # a client's accumulation: by index, the pieces of the arguments appended
+            for x in c.chat.completions.create(model=server.model_name, messages=msgs, tools=[WEATHER, TIME],
+                                               seed=seed, tool_choice=choice, max_tokens=96, temperature=1.0,
+                                               stream=True):
+                for tc in (x.choices[0].delta.tool_calls or []) if x.choices else []:
+                    cur = streamed.setdefault(tc.index, [tc.function.name, ""])
+                    cur[1] += tc.function.arguments or ""
+            assert [tuple(streamed[i]) for i in sorted(streamed)] == \
                 [(t.function.name, t.function.arguments) for t in ch.message.tool_calls]
     assert done >= 4
     # a conversation that carries a call and its result renders and is served

@@ -121,26 +121,29 @@ def served(request, tmp_path_factory):
 
 
 def _calls(msg):
-    return [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+    return [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
 
 
 def _streamed(chunks):
-    """(content, [(name, arguments)], finish_reason, logprobs entries) of a streamed choice, accumulated as a client
-    does: tool calls by their index, argument pieces appended."""
-    content, calls, finish, lps = "", {}, None, []
+    """(content, [(name, arguments)], finish_reason, logprobs entries, tool-call deltas seen) of a streamed choice,
+    accumulated as a client does: tool calls by their index, argument pieces appended."""
+    content, calls, finish, lps, pieces = "", {}, None, [], 0
     for x in chunks:
         if not x.choices:
             continue
         c = x.choices[0]
         content += c.delta.content or ""
         for tc in c.delta.tool_calls or []:
+            pieces += 1
+            if tc.index not in calls:
+                assert tc.id and tc.id.startswith("call_") and tc.type == "function" and tc.function.name
             cur = calls.setdefault(tc.index, ["", ""])
             cur[0] += tc.function.name or ""
             cur[1] += tc.function.arguments or ""
         if c.logprobs is not None and c.logprobs.content:
             lps += c.logprobs.content
         finish = c.finish_reason or finish
-    return content, [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))], finish, lps
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish, lps, pieces
 
 
 FORMAT_OF = {"qwen3": FORMAT["qwen3"], "glm45": FORMAT["glm45"], "kimi_k2": ("kimi_k2", "<|tool_call_begin|>")}
@@ -165,7 +168,11 @@ def test_auto_tool_calls_open_by_the_model_and_finish_by_the_grammar(served):
         r = c.chat.completions.create(**kw)
         ch = r.choices[0]
         streamed = _streamed(c.chat.completions.create(**kw, stream=True))
-        assert streamed[1] == _calls(ch.message) and streamed[2] == ch.finish_reason
+        assert streamed[2] == ch.finish_reason
+        if ch.finish_reason != "length":            # cut: its calls streamed so far, the text when not streamed
+            assert streamed[1] == _calls(ch.message)
+        if ch.finish_reason == "tool_calls" and FAMILIES[served.family][0] != "glm4_moe":
+            assert streamed[4] > 2 * len(streamed[1])  # the arguments came in pieces, as they were written
         if parallel and ch.finish_reason == "stop":      # the model ended at once: nothing, no call
             assert not ch.message.content and not ch.message.tool_calls
             continue
@@ -190,7 +197,7 @@ def test_auto_without_a_call_streams_its_content(served):
               max_tokens=12, temperature=1.0, logit_bias={str(opener): -100})
     r = c.chat.completions.create(**kw)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
-    content, calls, finish, _ = _streamed(c.chat.completions.create(**kw, stream=True))
+    content, calls, finish, _, _ = _streamed(c.chat.completions.create(**kw, stream=True))
     assert (content, calls, finish) == (r.choices[0].message.content, [], r.choices[0].finish_reason)
 
 
@@ -199,13 +206,17 @@ def test_required_named_and_a_conversation_with_results(served):
     msgs = [{"role": "user", "content": "what time is it?"}]
     for choice, parallel in (("required", True), ("required", False),
                              ({"type": "function", "function": {"name": "get_time"}}, True)):
-        r = c.chat.completions.create(model=served.model_name, messages=msgs, tools=[WEATHER, TIME], seed=1,
-                                      tool_choice=choice, max_tokens=96, temperature=1.0, parallel_tool_calls=parallel)
-        ch = r.choices[0]
+        kw = dict(model=served.model_name, messages=msgs, tools=[WEATHER, TIME], seed=1, tool_choice=choice,
+                  max_tokens=96, temperature=1.0, parallel_tool_calls=parallel)
+        ch = c.chat.completions.create(**kw).choices[0]
+        streamed = _streamed(c.chat.completions.create(**kw, stream=True))
         if ch.finish_reason != "length":
             assert ch.finish_reason == "tool_calls" and (parallel or len(ch.message.tool_calls) == 1)
             for name, args in _calls(ch.message):
-                assert _valid(args, PARAMS[name]) and (choice == "required" or name == "get_time")
+                assert _valid(json.loads(args), PARAMS[name]) and (choice == "required" or name == "get_time")
+            # streamed: the same calls, the arguments in pieces as they were written
+            assert streamed[1] == _calls(ch.message) and streamed[2] == "tool_calls"
+            assert streamed[4] > 2 * len(streamed[1])
     # the call and its result go back through the family's template
     r = c.chat.completions.create(model=served.model_name, max_tokens=4, tools=[WEATHER], messages=[
         *msgs, {"role": "assistant", "content": None, "tool_calls": [
@@ -248,3 +259,30 @@ def test_chat_logprobs(served):
         assert sum(math.exp(v) for v in tops) <= 1 + 1e-5
     s = _streamed(c.chat.completions.create(**kw, stream=True))[3]
     assert [(t.token, round(t.logprob, 5)) for t in s] == [(t.token, round(t.logprob, 5)) for t in lp]
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "kimi_k2", "deepseek_v3"])
+def test_streamed_arguments_are_prefixes_of_the_final_ones(fam, tokenizers):
+    """The family's calls as its template writes them, revealed a character at a time: what may be streamed of each
+    call's arguments only grows, is always a prefix of the final arguments, and ends equal to them (the final ones
+    are the arguments as written)."""
+    from runtime.serve.chat import ChatFormatter
+    from runtime.serve.tools import Tools, parse_auto, stream_spans, streamable_arguments, tool_format
+    d = tokenizers[fam]
+    _, opener, closer = FORMAT[fam]
+    fmt = tool_format(ChatFormatter(d).template_text)
+    text = "Sure." + _calls_part(_rendered_calls(d, CALLS), opener, closer)
+    _, final = parse_auto(fmt, text)
+    final = [(c["function"]["name"], c["function"]["arguments"]) for c in final]
+    assert [(n, json.loads(a)) for n, a in final] == CALLS
+    tools = Tools([], "auto")
+    sent: list = []
+    for k in range(len(text) + 1):
+        for i, (name, a, b) in enumerate(stream_spans(tools, fmt, text[:k]) or []):
+            args = streamable_arguments(text[:k], a, b, fmt.close)
+            if i == len(sent):
+                sent.append([name, ""])
+            assert sent[i][0] == name == final[i][0]
+            assert args.startswith(sent[i][1]) and final[i][1].startswith(args)
+            sent[i][1] = args
+    assert [tuple(x) for x in sent] == final
