@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 
 class Tokenizer:
@@ -33,6 +34,23 @@ class Tokenizer:
             return self.tok.decode(ids)
         special = self.special_ids
         return self.tok.decode([i for i in ids if i not in special or i in keep], skip_special_tokens=False)
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token ``tid`` stands for - part of a character where the tokenizer splits one (OpenAI's
+        logprobs ``bytes``: a client joins them to rebuild such characters): a byte-fallback piece ``<0xAB>``, a
+        byte-level BPE piece in GPT-2's byte alphabet, else the token's text."""
+        text = self.decode([tid])
+        if self.tok is None or "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tok.id_to_token(tid) or ""
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        from .model.synthetic import bytes_to_unicode
+        inv = {c: b for b, c in bytes_to_unicode().items()}
+        if piece and all(c in inv for c in piece):
+            return bytes(inv[c] for c in piece)
+        return text.encode("utf-8")
 
     def token_id(self, text: str) -> "int | None":
         """The id of the one token whose text this is (an added / special token, or a vocabulary entry); None."""

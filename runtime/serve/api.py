@@ -677,8 +677,7 @@ class _Logprobs:
     def format(self, entries: list) -> "dict | None":
         if self.chat:
             def one(tid, lp):
-                t = self.text(tid)
-                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                return {"token": self.text(tid), "logprob": lp, "bytes": list(self.tok.token_bytes(tid))}
             return {"content": [{**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]}
                                 for tid, lp, top in entries]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

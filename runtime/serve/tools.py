@@ -123,24 +123,43 @@ def _hermes(text: str, functions: list):
 
 
 def _raw_string(schema: dict) -> bool:
-    """GLM-4.5 writes a string argument as it is, anything else as JSON (its chat template's rule)."""
+    """GLM-4.5 and Qwen3.5 / Qwen3-Coder write a string argument as it is, anything else as JSON (their chat
+    templates' rule)."""
     return schema.get("type") == "string" or (bool(schema.get("enum")) and all(isinstance(e, str) for e in schema["enum"]))
 
 
-def _glm45(text: str, functions: list):
+def _typed(v: str, schema: dict):
+    """An argument written as text, typed by the tool's parameter schema (as vLLM's parsers for these formats do):
+    a string as it is; a boolean from true / false in any case (Qwen3.5's template writes Python's True); else
+    JSON, or the text when it is none."""
+    if _raw_string(schema):
+        return v
+    if schema.get("type") == "boolean" and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    parsed = _json_obj(v)
+    return parsed if parsed is not None else v
+
+
+def _named_calls(text: str, functions: list, call: str, arg: str) -> tuple:
+    """Calls whose arguments are written by name (GLM-4.5, Qwen3.5): ``call`` finds each (groups: name, body),
+    ``arg`` each argument in its body (groups: key, value); values typed by the tool's parameters."""
     props = {f["name"]: (f.get("parameters") or {}).get("properties") or {} for f in functions}
     calls = []
-    for m in re.finditer(r"<tool_call>\s*([^<\n]+)(.*?)</tool_call>", text, re.S):
-        name, args = m.group(1).strip(), {}
-        for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", m.group(2), re.S):
-            k = k.strip()
-            if _raw_string(props.get(name, {}).get(k, {})):     # typed by the tool's parameters, as vLLM's parser does
-                args[k] = v
-            else:
-                parsed = _json_obj(v)
-                args[k] = parsed if parsed is not None else v
+    for m in re.finditer(call, text, re.S):
+        name = m.group(1).strip()
+        args = {k.strip(): _typed(v, props.get(name, {}).get(k.strip(), {})) for k, v in re.findall(arg, m.group(2), re.S)}
         calls.append(_call(name, args))
     return text.split("<tool_call>")[0], calls
+
+
+def _glm45(text: str, functions: list):
+    return _named_calls(text, functions, r"<tool_call>\s*([^<\n]+)(.*?)</tool_call>",
+                        r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>")
+
+
+def _qwen3_coder(text: str, functions: list):
+    return _named_calls(text, functions, r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>",
+                        r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>")
 
 
 def _kimi_k2(text: str, functions: list):
@@ -208,29 +227,63 @@ def _raw_regex(schema: dict) -> str:
     return "/[^<]{%d,%s}/" % (lo, hi if isinstance(hi, int) else "")
 
 
-def _glm45_grammar(functions: list, t, parallel: bool) -> str:
-    # GLM-4.5's template: <tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>; the
-    # arguments in the parameters' order, the required ones present, strings raw and the rest JSON
-    out, fns = [], []
+def _named_arguments(functions: list, value, arg) -> "tuple[list, list]":
+    """The rules of formats that write each argument by name (GLM-4.5, Qwen3.5): per function the sequence of its
+    parameters in their order, the required ones present (``a{i}_{j}`` rules: ``arg(i, j, key)``), each value's
+    rule ``v{i}_{j}`` (``value(i, j, schema)``: its rule lines). Returns (rule lines, each function's sequence)."""
+    out, seqs = [], []
     for i, f in enumerate(functions):
         params = f["parameters"]
         required = set(params.get("required") or [])
         seq = []
         for j, (k, sch) in enumerate((params.get("properties") or {}).items()):
-            if _raw_string(sch):
-                if sch.get("enum"):
-                    v = "(" + _alts([json.dumps(e) for e in sch["enum"]]) + ")"
-                else:
-                    v = _raw_regex(sch)
-                out.append(f"v{i}_{j}: {v}\n")
-            else:
-                out.append(_args_rule(f"v{i}_{j}", sch))
-            out.append(f'a{i}_{j}: {t("<arg_key>")} {json.dumps(k)} {t("</arg_key>")} "\\n" {t("<arg_value>")} '
-                       f'v{i}_{j} {t("</arg_value>")} "\\n"\n')
+            out += value(i, j, sch)
+            out.append(f"a{i}_{j}: {arg(i, j, k)}\n")
             seq.append(f"a{i}_{j}" + ("" if k in required else "?"))
-        fns.append(f'{json.dumps(f["name"] + chr(10))} {" ".join(seq)} {t("</tool_call>")}')
+        seqs.append(" ".join(seq))
+    return out, seqs
+
+
+def _enum(sch: dict) -> str:
+    return "(" + _alts([json.dumps(e) for e in sch["enum"]]) + ")"
+
+
+def _glm45_grammar(functions: list, t, parallel: bool) -> str:
+    # GLM-4.5's template: <tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...</tool_call>; strings
+    # raw and the rest JSON
+    def value(i, j, sch):
+        if not _raw_string(sch):
+            return [_args_rule(f"v{i}_{j}", sch)]
+        return [f"v{i}_{j}: {_enum(sch) if sch.get('enum') else _raw_regex(sch)}\n"]
+
+    def arg(i, j, k):
+        return (f'{t("<arg_key>")} {json.dumps(k)} {t("</arg_key>")} "\\n" {t("<arg_value>")} v{i}_{j} '
+                f'{t("</arg_value>")} "\\n"')
+    out, seqs = _named_arguments(functions, value, arg)
+    fns = [f'{json.dumps(f["name"] + chr(10))} {seq} {t("</tool_call>")}' for f, seq in zip(functions, seqs)]
     return (f'start: body' + (f' ("\\n"? {t("<tool_call>")} body)*\n' if parallel else "\n") +
             f"body: {_alts(fns)}\n" + "".join(out))
+
+
+def _qwen3_coder_grammar(functions: list, t, parallel: bool) -> str:
+    # Qwen3.5's / Qwen3-Coder's template: <tool_call>\n<function=name>\n<parameter=k>\nv\n</parameter>\n...
+    # </function>\n</tool_call>; strings raw (a raw value's lexeme takes its closing "\n</parameter>" with it: the
+    # text may hold newlines), booleans in either case (the template writes Python's True), the rest JSON
+    close = '"\\n</parameter>\\n"'
+
+    def value(i, j, sch):
+        if _raw_string(sch) and not sch.get("enum"):
+            return [f"v{i}_{j}: /{_raw_regex(sch)[1:-1]}\\n<\\/parameter>/ \"\\n\"\n"]
+        if _raw_string(sch):
+            return [f"v{i}_{j}: {_enum(sch)} {close}\n"]
+        if sch.get("type") == "boolean":
+            return [f'v{i}_{j}: ("true" | "false" | "True" | "False") {close}\n']
+        return [_args_rule(f"j{i}_{j}", sch), f"v{i}_{j}: j{i}_{j} {close}\n"]
+    out, seqs = _named_arguments(functions, value, lambda i, j, k: f'{json.dumps("<parameter=" + k + ">" + chr(10))} '
+                                                                   f"v{i}_{j}")
+    fns = [f'{json.dumps(f["name"] + ">" + chr(10))} {seq}' for f, seq in zip(functions, seqs)]
+    return (f'start: body' + (f' ("\\n"? {t("<tool_call>")} body)*\n' if parallel else "\n") +
+            f'body: "\\n<function=" ({_alts(fns)}) "</function>\\n" {t("</tool_call>")}\n' + "".join(out))
 
 
 def _kimi_k2_grammar(functions: list, t, parallel: bool) -> str:
@@ -348,13 +401,15 @@ class ToolFormat:
 
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
 
-# One registry: the first whose marker the template has is the family's (GLM-4.5's before Hermes: both write
-# <tool_call>). gpt-oss's harmony calls are parsed, not constrained: a call opens with a channel header whose
+# One registry: the first whose marker the template has is the family's (GLM-4.5's and Qwen3.5's before Hermes:
+# all three write <tool_call>). gpt-oss's harmony calls are parsed, not constrained: a call opens with a channel header whose
 # tokens also open its analysis and final messages.
 FORMATS = [
     ToolFormat("glm45", "<arg_key>", _glm45,
                ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
                "<tool_call>", _glm45_grammar),
+    ToolFormat("qwen3_coder", "<function=", _qwen3_coder, ("<tool_call>", "</tool_call>"), "<tool_call>",
+               _qwen3_coder_grammar),
     ToolFormat("hermes", "<tool_call>", _hermes, ("<tool_call>", "</tool_call>"), "<tool_call>", _hermes_grammar,
                lambda text: _json_spans(text, _HERMES_HEAD)),
     ToolFormat("kimi_k2", "<|tool_call_begin|>", _kimi_k2,

@@ -9,6 +9,16 @@ import os
 
 _MODEL_FIXTURES = os.path.join(os.path.dirname(__file__), "..", "model", "conftest.py")
 
+# Qwen3's and Qwen3.5's templates end alike: tool results as a user turn in <tool_response>, then the prompt
+_QWEN_TAIL = """{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 QWEN3_TEMPLATE = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
 
@@ -35,14 +45,39 @@ For each function call, return a json object with function name and arguments wi
 {{ m.content or '' }}{% for tc in m.tool_calls or [] %}{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>
 {"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
 </tool_call>{% endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
+""" + _QWEN_TAIL
+
+QWEN35_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+
+You have access to the following functions:
+
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+If you choose to call a function ONLY reply in the following format with NO suffix:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
 {% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{%- for m in messages %}
+{%- if m.role == 'user' or m.role == 'system' %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}{% for tc in m.tool_calls or [] %}{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>
+<function={{ tc.function.name }}>
+{% for k, v in tc.function.arguments.items() %}<parameter={{ k }}>
+{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+""" + _QWEN_TAIL
 
 GLM45_TEMPLATE = """[gMASK]<sop>
 {%- if tools -%}
@@ -116,6 +151,10 @@ DEEPSEEK_V3_TEMPLATE = """{{ bos_token }}{%- for m in messages -%}
 FAMILIES = {
     "qwen3": ("qwen3_moe", [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
                             ("<tool_call>", False), ("</tool_call>", False)], "<|im_end|>", None, QWEN3_TEMPLATE),
+    # Qwen3.5 (as Qwen3-Coder): XML calls, <function=name> and <parameter=key> as text
+    "qwen35": ("qwen3_5_moe_text", [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+                                    ("<tool_call>", False), ("</tool_call>", False)], "<|im_end|>", None,
+               QWEN35_TEMPLATE),
     "glm45": ("glm4_moe", [("<|endoftext|>", True), ("[gMASK]", True), ("<sop>", True), ("<|system|>", True),
                            ("<|user|>", True), ("<|assistant|>", True), ("<|observation|>", True),
                            ("<tool_call>", True), ("</tool_call>", True), ("<arg_key>", True), ("</arg_key>", True),
