@@ -170,7 +170,11 @@ class Engine:
         if params.trigger is not None:
             if not 0 <= params.trigger[0] < V:
                 raise ValueError(f"trigger token id {params.trigger[0]} is outside the vocabulary [0, {V})")
-            r.armed = self._grammar_tokenizer().matcher(*params.trigger[1:])   # compiled now: its error is a 400
+            try:
+                r.armed = self._grammar_tokenizer().matcher(*params.trigger[1:])   # compiled now: its error is a 400
+            except ValueError as e:
+                raise ValueError(f"the grammar of the tools' calls (after the trigger token) does not compile: {e}") \
+                    from None
         if params.seed is not None:
             import torch
             r.gen = torch.Generator().manual_seed(params.seed)

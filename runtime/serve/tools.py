@@ -70,6 +70,7 @@ def parse_tools(body: dict) -> "Tools | None":
         p = f.get("parameters")
         if p is not None and not isinstance(p, dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", param=f"tools[{i}]")
+        _check_parameters(p or {}, f"tools[{i}].function.parameters")
         fns.append({"name": f["name"], "description": f.get("description", ""), "parameters": p or {"type": "object"}})
     names = [f["name"] for f in fns]
     if len(set(names)) != len(names):
@@ -90,6 +91,28 @@ def parse_tools(body: dict) -> "Tools | None":
         return Tools(fns, "named", name)
     raise ApiError(400, "'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
                         "{\"name\": ...}}", param="tool_choice")
+
+
+def _check_parameters(p: dict, where: str) -> None:
+    """The parts of a tool's parameters the call grammars read: properties an object of schemas, required a list of
+    names, string and number bounds numbers (the grammar engine checks the rest of the schema)."""
+    props = p.get("properties", {})
+    if not isinstance(props, dict):
+        raise ApiError(400, f"{where}.properties must be an object of JSON schemas", param="tools")
+    req = p.get("required", [])
+    if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+        raise ApiError(400, f"{where}.required must be a list of property names", param="tools")
+    for k, sch in props.items():
+        if not isinstance(sch, dict):
+            raise ApiError(400, f"{where}.properties.{k} must be a JSON schema object, got {type(sch).__name__}",
+                           param="tools")
+        for n in ("minLength", "maxLength"):
+            if n in sch and (not isinstance(sch[n], int) or isinstance(sch[n], bool) or sch[n] < 0):
+                raise ApiError(400, f"{where}.properties.{k}.{n} must be a non-negative integer", param="tools")
+        if "pattern" in sch and not isinstance(sch["pattern"], str):
+            raise ApiError(400, f"{where}.properties.{k}.pattern must be a string", param="tools")
+        if "enum" in sch and not isinstance(sch["enum"], list):
+            raise ApiError(400, f"{where}.properties.{k}.enum must be a list", param="tools")
 
 
 def _call(name: str, arguments) -> dict:

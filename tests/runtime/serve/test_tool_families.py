@@ -290,3 +290,20 @@ def test_streamed_arguments_are_prefixes_of_the_final_ones(fam, tokenizers):
             assert args.startswith(sent[i][1]) and final[i][1].startswith(args)
             sent[i][1] = args
     assert [tuple(x) for x in sent] == final
+
+
+def test_tool_schemas_the_grammar_cannot_use_are_400s(served):
+    """Parameters that are not JSON schemas of an object's properties fail their request alone, naming the tool."""
+    import openai
+    c = client(served)
+    bad = [{"type": "object", "properties": {"a": "text"}}, {"type": "object", "properties": ["a"]},
+           {"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"},
+           {"type": "object", "properties": {"a": {"type": "string", "maxLength": "ten"}}}]
+    for params in bad:
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        with pytest.raises(openai.BadRequestError, match="tools"):
+            c.chat.completions.create(model=served.model_name, messages=[{"role": "user", "content": "x"}],
+                                      tools=[tool], max_tokens=4)
+    r = c.chat.completions.create(model=served.model_name, messages=[{"role": "user", "content": "x"}],
+                                  tools=[WEATHER], max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
