@@ -398,6 +398,12 @@ def _engine(rank: Rank, cfg, model, store, kw: dict):
     n = rank.min([model.kv.num_blocks])[0]
     if n != model.kv.num_blocks:
         model.init_kv(model.kv_bytes, max_seqs=eng.scheduler.max_active, num_blocks=n, snapshots=eng.prefix_snapshots)
+    # Prefix caching decides alike on every rank only where all keep per-sequence state or none does: a stage of
+    # full-attention layers alone would reuse prefixes its stateful peers have no snapshot for.
+    stateful = int(bool(model.kv.manager.state_slots))
+    lo, neg_hi = rank.min([stateful, -stateful])
+    if lo != -neg_hi:
+        eng.scheduler.prefix_caching = False
     if rank.pp > 1:
         leaders = [s * rank.tp for s in range(rank.pp)]
         eng.routing_sync = lambda mine: _merge_routing(rank.all_gather(mine), leaders)

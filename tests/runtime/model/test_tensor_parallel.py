@@ -232,6 +232,43 @@ def test_group_matches_one_process(arch_stores, world, stages):
 
 
 @pytest.mark.slow
+def test_group_prefix_caching_with_state(arch_stores):
+    """Prefix caching across two tensor-parallel ranks on models with per-sequence state (KDA, Gated DeltaNet,
+    split by heads): every rank snapshots and restores its heads' state at the same boundaries, so the group's
+    tokens are one process's, and the shared prefix was served from the cache."""
+    from runtime.parallel.group import open_group
+    shared = [(7 * i) % 90 + 3 for i in range(40)]
+    prompts = [shared + [50 + i, 60 + i, 70 + i] for i in range(3)]
+
+    def run(eng):
+        out = []
+        for p in prompts:                    # one after another: each finds what the one before left
+            i = eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
+            eng.run()
+            out.append(eng.done[i].output)
+        return out
+    group = None
+    try:
+        for arch in ("kimi_linear", "qwen3_next"):
+            cfg1 = RuntimeConfig(model=arch_stores[arch], max_batch=1)
+            model, store = cfg1.load()
+            eng1 = cfg1.engine(model, store)
+            want = run(eng1)
+            hits = eng1.scheduler.blocks.hits
+            store.close()
+            assert hits == 2 * 32, arch              # two full blocks of the 40 shared tokens, for the 2nd and 3rd
+            group, model, store = open_group(group, RuntimeConfig(model=arch_stores[arch], max_batch=1,
+                                                                  tensor_parallel=2))
+            eng = group.make_engine(model, store)
+            assert run(eng) == want, arch
+            assert eng.scheduler.blocks.hits == hits, arch
+            store.close()
+    finally:
+        if group is not None:
+            group.close()
+
+
+@pytest.mark.slow
 def test_generate_command_with_two_ranks(arch_stores, capsys):
     """``tiered-moe generate --tensor-parallel 2``: the ranks start, decode and stop; the text is one process's."""
     import json
