@@ -509,12 +509,13 @@ class _Routes:
                                param="response_format")
             params["grammar"] = tools.grammar()
         keep = frozenset()
-        if tools is not None and tools.choice == "auto":
+        harmony = chat and a.tool_format.name == "harmony"
+        if harmony or (tools is not None and tools.choice == "auto"):
             from .tools import keep_tokens, trigger
             fmt = a.tool_format
-            keep = keep_tokens(fmt, a.tok)
-            if "grammar" not in params:       # response_format constrains everything already
-                params["trigger"] = trigger(fmt, tools, a.tok)
+            keep = keep_tokens(fmt, a.tok)     # its markers stay in the text: the parser (or harmony's split) reads them
+            if tools is not None and tools.choice == "auto" and "grammar" not in params:
+                params["trigger"] = trigger(fmt, tools, a.tok)   # response_format constrains everything already
         n = params.pop("n")
         k = params.get("logprobs")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -538,7 +539,7 @@ class _Routes:
                 ev.close()
             raise
         a.metrics.prompt_tokens.inc(len(prompt) * n)
-        ch = _Choices(a, evs, chat, len(prompt), k, tools)
+        ch = _Choices(a, evs, chat, len(prompt), k, tools, harmony)
         if stream:
             return _Stream(a, ch, include_usage)
         try:
@@ -694,14 +695,21 @@ class _Logprobs:
 class _Choices:
     """A request's ``n`` choices (n engine requests): collected together, or merged into one stream."""
 
-    def __init__(self, srv: "Server", evs: list, chat: bool, n_prompt: int, k: "int | None", tools=None) -> None:
+    def __init__(self, srv: "Server", evs: list, chat: bool, n_prompt: int, k: "int | None", tools=None,
+                 harmony: bool = False) -> None:
         self.srv, self.evs, self.chat, self.n_prompt, self.tools = srv, evs, chat, n_prompt, tools
+        self.harmony = harmony      # a gpt-oss chat reply: channels split into reasoning, content and calls
         self.rid = evs[0].rid.rsplit("-", 1)[0] if len(evs) > 1 else evs[0].rid
         self.lp = [_Logprobs(srv.tok, chat, k) if k is not None else None for _ in evs]
 
     def message(self, text: str, finish: str) -> "tuple[str | None, list, str]":
         """(content, tool_calls, finish_reason) of a chat choice: its text, or the tool calls in it."""
         t = self.tools
+        if self.harmony and (t is None or t.choice == "auto"):
+            content, calls = self.srv.tool_format.parse(text, t.functions if t is not None else [])
+            if t is None or finish != "stop":
+                return content, [], finish
+            return (content.strip() or None) if calls else content, calls, "tool_calls" if calls else finish
         if t is None or finish != "stop":
             return text, [], finish
         from .tools import constrained_calls, parse_auto
@@ -736,6 +744,15 @@ class _Choices:
                 out.append({"index": i, "function": {"arguments": args[len(sent[i][2]):]}})
                 sent[i][2] = args
         return delta, out
+
+    def harmony_progress(self, index: int, held: dict) -> "tuple[str, str]":
+        """A streamed harmony choice's news: (reasoning, content) not yet sent, from the released text."""
+        from .harmony import split
+        ev = next(e for e in self.evs if e.index == index)
+        h = split(ev.detok.text[:ev.detok.sent])
+        r, c = h.reasoning[held["r"]:], h.content[held["sent"]:]
+        held["r"], held["sent"] = max(held["r"], len(h.reasoning)), max(held["sent"], len(h.content))
+        return r, c
 
     def open_content(self, text: str) -> str:
         """What of a tools choice's text is content for sure: the text before its format's opening marker (less a
@@ -786,6 +803,11 @@ class _Choices:
                 msg = {"role": "assistant", "content": content}
                 if calls:
                     msg["tool_calls"] = calls
+                if self.harmony:
+                    from .harmony import split
+                    reasoning = split(ev.detok.text).reasoning
+                    if reasoning:
+                        msg["reasoning_content"] = reasoning     # vLLM's field for a reasoning model's thinking
                 choices.append({"index": ev.index, "message": msg, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": ev.index, "text": ev.detok.text, "logprobs": logprobs, "finish_reason": finish})
@@ -858,6 +880,20 @@ class _Stream:
                                           **({"tool_calls": deltas} if deltas else {})}
         return out
 
+    def harmony_chunk(self, chunk, index: int, finish: str, held: dict) -> dict:
+        """A harmony choice's last chunk: the reasoning and content not yet sent, its tool calls whole."""
+        from .harmony import split
+        ev = next(e for e in self.ch.evs if e.index == index)
+        content, calls, finish = self.ch.message(ev.detok.text, finish)
+        out = chunk(index, (content or "")[held["sent"]:], finish, held["lps"])
+        d = out["choices"][0]["delta"]
+        rest = split(ev.detok.text).reasoning[held["r"]:]
+        if rest:
+            d["reasoning_content"] = rest
+        if calls:
+            d["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return out
+
     async def __call__(self, scope, receive, send) -> None:
         a, ch = self.srv, self.ch
         chat = ch.chat
@@ -896,9 +932,26 @@ class _Stream:
             if chat:
                 for ev in ch.evs:
                     await event(chunk(ev.index, "", None, [], first=True))
-            held = {ev.index: {"sent": 0, "lps": [], "calls": []} for ev in ch.evs}
+            held = {ev.index: {"sent": 0, "r": 0, "lps": [], "calls": []} for ev in ch.evs}
+            harmony = ch.harmony and (ch.tools is None or ch.tools.choice == "auto")
             try:
                 async for index, delta, finish, lps in ch.merged():
+                    if harmony:
+                        # gpt-oss: the analysis channel streams as reasoning_content, the final one as content;
+                        # tool calls come whole at the end
+                        h = held[index]
+                        h["lps"] += lps
+                        if finish:
+                            await event(self.harmony_chunk(chunk, index, finish, h))
+                            continue
+                        reasoning, content = ch.harmony_progress(index, h)
+                        if reasoning or content:
+                            c = chunk(index, content, None, h["lps"])
+                            if reasoning:
+                                c["choices"][0]["delta"]["reasoning_content"] = reasoning
+                            await event(c)
+                            h["lps"] = []
+                        continue
                     if ch.tools is not None and chat:
                         # the content before the format's opening marker streams, then each call: its id and name,
                         # then its arguments as they are written (OpenAI's deltas); a format without spans sends its

@@ -206,13 +206,10 @@ def _deepseek_v3(text: str, functions: list):
 
 
 def _harmony(text: str, functions: list):
-    calls = []
-    for m in re.finditer(r"to=functions\.([\w.-]+).*?<\|message\|>(.*?)(?:<\|call\|>|$)", text, re.S):
-        v = _json_obj(m.group(2).strip())
-        if v is not None:
-            calls.append(_call(m.group(1), v))
-    final = re.search(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", text, re.S)
-    return (final.group(1) if final else ("" if calls else text)), calls
+    from .harmony import split
+    h = split(text)
+    calls = [_call(name, args) for name, args in h.calls if _json_obj(args) is not None]
+    return h.content, calls
 
 
 # -- what follows the trigger token: Lark grammars (llguidance's dialect) --------------------------------------

@@ -79,6 +79,19 @@ value_1
 </tool_call>{% endfor %}<|im_end|>
 """ + _QWEN_TAIL
 
+# gpt-oss: harmony messages; a call is a commentary message to the function, its arguments JSON, ended by <|call|>
+HARMONY_TEMPLATE = """{%- if tools %}<|start|>developer<|message|># Tools
+
+{{ tools | tojson }}<|end|>{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}{% for tc in m.tool_calls %}<|start|>assistant<|channel|>commentary to=functions.{{ tc.function.name }} <|constrain|>json<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}
+{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name or 'tool' }} to=assistant<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
 GLM45_TEMPLATE = """[gMASK]<sop>
 {%- if tools -%}
 <|system|>
@@ -155,6 +168,9 @@ FAMILIES = {
     "qwen35": ("qwen3_5_moe_text", [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
                                     ("<tool_call>", False), ("</tool_call>", False)], "<|im_end|>", None,
                QWEN35_TEMPLATE),
+    "gpt_oss": ("gpt_oss", [("<|startoftext|>", True), ("<|endoftext|>", True), ("<|start|>", True),
+                            ("<|end|>", True), ("<|message|>", True), ("<|channel|>", True), ("<|constrain|>", True),
+                            ("<|return|>", True), ("<|call|>", True)], "<|return|>", None, HARMONY_TEMPLATE),
     "glm45": ("glm4_moe", [("<|endoftext|>", True), ("[gMASK]", True), ("<sop>", True), ("<|system|>", True),
                            ("<|user|>", True), ("<|assistant|>", True), ("<|observation|>", True),
                            ("<tool_call>", True), ("</tool_call>", True), ("<arg_key>", True), ("</arg_key>", True),

@@ -61,7 +61,7 @@ def _calls_part(text: str, opener: str, closer: str) -> str:
     return text[start:text.rindex(closer) + len(closer)]
 
 
-@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("fam", list(FORMAT))
 def test_template_parser_and_grammar_agree(fam, tokenizers):
     """The calls the family's template writes are what its parser reads back, and what its grammar accepts after
     the opening token; the grammar refuses an unknown function and arguments its parameters do not allow."""
@@ -306,4 +306,75 @@ def test_tool_schemas_the_grammar_cannot_use_are_400s(served):
                                       tools=[tool], max_tokens=4)
     r = c.chat.completions.create(model=served.model_name, messages=[{"role": "user", "content": "x"}],
                                   tools=[WEATHER], max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+# -- gpt-oss: harmony channels -----------------------------------------------------------------------------------
+HARMONY = ('<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>commentary '
+           'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>')
+
+
+def test_harmony_channels_split():
+    """The harmony format as its definition writes it: analysis -> reasoning, final -> content, a commentary
+    message to a function -> a call (its recipient after the channel or in the role's header), a preamble ->
+    content; text without channels is content; a partial text splits into prefixes of the whole one."""
+    from runtime.serve.harmony import split
+    h = split(HARMONY)
+    assert (h.reasoning, h.content, h.calls) == ("The user wants weather.", "",
+                                                   [("get_weather", '{"city": "Paris", "days": 3}')])
+    reply = ("<|channel|>analysis<|message|>Think <b>.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+             "Checking.<|end|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
+             '{"zone": "UTC"}<|call|>')
+    h = split(reply)
+    assert (h.reasoning, h.content, h.calls) == ("Think <b>.", "Checking.", [("get_time", '{"zone": "UTC"}')])
+    final = "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>It is 3 < 4.<|return|>"
+    assert (split(final).reasoning, split(final).content) == ("a", "It is 3 < 4.")
+    assert split("plain words").content == "plain words"
+    r = c = ""
+    for k in range(len(final) + 1):
+        p = split(final[:k])
+        if "<|channel|>" in final[:k]:
+            assert p.reasoning.startswith(r) and p.content.startswith(c), final[:k]
+            r, c = p.reasoning, p.content
+    assert (r, c) == ("a", "It is 3 < 4.")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    from runtime.model.convert import convert
+    from runtime.serve.api import Server
+    from runtime.serve.engine_proc import EngineConfig
+    d = tmp_path_factory.mktemp("gpt_oss")
+    build_family(str(d / "hf"), "gpt_oss")
+    convert(str(d / "hf"), str(d / "store"))
+    srv = Server(EngineConfig(model=str(d / "store"), max_batch=4), port=0, api_key=KEY).start()
+    yield srv
+    srv.close()
+
+
+def test_harmony_replies_streamed_and_not(gpt_oss):
+    """A gpt-oss server splits every chat reply by its channels: no marker reaches the client, the reasoning comes
+    as reasoning_content, and streaming gives the same reasoning and content (the markers pushed up by logit_bias,
+    so the random model writes some)."""
+    c = client(gpt_oss)
+    tok = gpt_oss.tok
+    bias = {str(tok.token_id(m)): 4 for m in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")}
+    for seed in range(6):
+        kw = dict(model=gpt_oss.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=48,
+                  temperature=1.0, seed=seed, logit_bias=bias)
+        m = c.chat.completions.create(**kw).choices[0].message
+        reasoning = (m.model_extra or {}).get("reasoning_content") or ""
+        assert "<|" not in (m.content or "") and "<|" not in reasoning
+        content, r = "", ""
+        for x in c.chat.completions.create(**kw, stream=True):
+            if x.choices:
+                content += x.choices[0].delta.content or ""
+                r += (x.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        assert (content, r) == (m.content or "", reasoning)
+    # a conversation with a call and its result renders through the harmony template
+    r = c.chat.completions.create(model=gpt_oss.model_name, max_tokens=4, tools=[WEATHER], messages=[
+        {"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}])
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
