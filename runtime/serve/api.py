@@ -721,8 +721,8 @@ class _Choices:
         content, calls = parse_auto(self.srv.tool_format, text, t.functions)
         return content, calls, "tool_calls" if calls else finish
 
-    def progress(self, index: int, held: dict) -> "tuple[str, list]":
-        """A streamed tools choice's news: (content not yet sent, tool-call deltas), from the text its detokenizer
+    def progress(self, index: int, held: dict) -> "tuple[str, dict]":
+        """A streamed tools choice's news: (content not yet sent, {"tool_calls": deltas} or {}), from the text its detokenizer
         has released (stop strings held back). ``held``: what was sent - content characters, and per call
         [id, name, arguments sent]."""
         from .tools import _call, stream_spans, streamable_arguments
@@ -743,16 +743,17 @@ class _Choices:
             elif i < len(sent) and len(args) > len(sent[i][2]) and args.startswith(sent[i][2]):
                 out.append({"index": i, "function": {"arguments": args[len(sent[i][2]):]}})
                 sent[i][2] = args
-        return delta, out
+        return delta, ({"tool_calls": out} if out else {})
 
-    def harmony_progress(self, index: int, held: dict) -> "tuple[str, str]":
-        """A streamed harmony choice's news: (reasoning, content) not yet sent, from the released text."""
+    def harmony_progress(self, index: int, held: dict) -> "tuple[str, dict]":
+        """A streamed harmony choice's news: (content, {"reasoning_content": ...} or {}) not yet sent, from the
+        released text."""
         from .harmony import split
         ev = next(e for e in self.evs if e.index == index)
         h = split(ev.detok.text[:ev.detok.sent])
         r, c = h.reasoning[held["r"]:], h.content[held["sent"]:]
         held["r"], held["sent"] = max(held["r"], len(h.reasoning)), max(held["sent"], len(h.content))
-        return r, c
+        return c, ({"reasoning_content": r} if r else {})
 
     def open_content(self, text: str) -> str:
         """What of a tools choice's text is content for sure: the text before its format's opening marker (less a
@@ -936,36 +937,21 @@ class _Stream:
             harmony = ch.harmony and (ch.tools is None or ch.tools.choice == "auto")
             try:
                 async for index, delta, finish, lps in ch.merged():
-                    if harmony:
-                        # gpt-oss: the analysis channel streams as reasoning_content, the final one as content;
-                        # tool calls come whole at the end
-                        h = held[index]
-                        h["lps"] += lps
-                        if finish:
-                            await event(self.harmony_chunk(chunk, index, finish, h))
-                            continue
-                        reasoning, content = ch.harmony_progress(index, h)
-                        if reasoning or content:
-                            c = chunk(index, content, None, h["lps"])
-                            if reasoning:
-                                c["choices"][0]["delta"]["reasoning_content"] = reasoning
-                            await event(c)
-                            h["lps"] = []
-                        continue
-                    if ch.tools is not None and chat:
+                    if harmony or (ch.tools is not None and chat):
+                        # gpt-oss: the analysis channel streams as reasoning_content, the final one as content. Tools:
                         # the content before the format's opening marker streams, then each call: its id and name,
-                        # then its arguments as they are written (OpenAI's deltas); a format without spans sends its
-                        # calls whole at the end
+                        # then its arguments as they are written (OpenAI's deltas); a format without spans (and
+                        # harmony) sends its calls whole at the end.
                         h = held[index]
                         h["lps"] += lps
                         if finish:
-                            await event(self.tool_chunk(chunk, index, finish, h))
+                            last = self.harmony_chunk if harmony else self.tool_chunk
+                            await event(last(chunk, index, finish, h))
                             continue
-                        text, calls = ch.progress(index, h)
-                        if text or calls:
+                        text, extra = ch.harmony_progress(index, h) if harmony else ch.progress(index, h)
+                        if text or extra:
                             c = chunk(index, text, None, h["lps"])
-                            if calls:
-                                c["choices"][0]["delta"] = {**({"content": text} if text else {}), "tool_calls": calls}
+                            c["choices"][0]["delta"].update(extra)
                             await event(c)
                             h["lps"] = []
                         continue
