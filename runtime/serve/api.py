@@ -256,9 +256,10 @@ class Server:
             raise ApiError(400, str(e), param="messages") from None
         return self.encode(text, "messages")
 
-    @property
+    @functools.cached_property
     def tool_format(self):
-        """The family's tool-call format, by the markers its chat template writes (tools.FORMATS)."""
+        """The family's tool-call format, by the markers its chat template writes (tools.FORMATS); read on every
+        streamed token of a tools choice, found once."""
         from .tools import tool_format
         return tool_format(self.chat.template_text)
 
@@ -509,7 +510,8 @@ class _Routes:
                                param="response_format")
             params["grammar"] = tools.grammar()
         keep = frozenset()
-        harmony = chat and a.tool_format.name == "harmony"
+        # a gpt-oss chat reply that is not held to required / named calls' JSON: split by its channels
+        harmony = chat and a.tool_format.name == "harmony" and (tools is None or tools.choice == "auto")
         if harmony or (tools is not None and tools.choice == "auto"):
             from .tools import keep_tokens, trigger
             fmt = a.tool_format
@@ -705,7 +707,7 @@ class _Choices:
     def message(self, text: str, finish: str) -> "tuple[str | None, list, str]":
         """(content, tool_calls, finish_reason) of a chat choice: its text, or the tool calls in it."""
         t = self.tools
-        if self.harmony and (t is None or t.choice == "auto"):
+        if self.harmony:
             content, calls = self.srv.tool_format.parse(text, t.functions if t is not None else [])
             if t is None or finish != "stop":
                 return content, [], finish
@@ -740,7 +742,7 @@ class _Choices:
                 c = _call(name, args)
                 sent.append([c["id"], name, args])
                 out.append({"index": i, **c})
-            elif i < len(sent) and len(args) > len(sent[i][2]) and args.startswith(sent[i][2]):
+            elif len(args) > len(sent[i][2]) and args.startswith(sent[i][2]):
                 out.append({"index": i, "function": {"arguments": args[len(sent[i][2]):]}})
                 sent[i][2] = args
         return delta, ({"tool_calls": out} if out else {})
@@ -934,7 +936,7 @@ class _Stream:
                 for ev in ch.evs:
                     await event(chunk(ev.index, "", None, [], first=True))
             held = {ev.index: {"sent": 0, "r": 0, "lps": [], "calls": []} for ev in ch.evs}
-            harmony = ch.harmony and (ch.tools is None or ch.tools.choice == "auto")
+            harmony = ch.harmony
             try:
                 async for index, delta, finish, lps in ch.merged():
                     if harmony or (ch.tools is not None and chat):
