@@ -37,7 +37,7 @@ def teacher_forced(store, prompts, conts, *, bonus, batch, fraction):
     # favour (a global LRU pool at batch > 1 cycles through the layers and holds none of the layer
     # being routed).
     model, st = load_model(store, expert_budget=budget, policy="lru", scope="layer")
-    model.cache_bonus = bonus
+    from runtime.model import StepHooks
     out = [None] * len(prompts)
     step = 0
     try:
@@ -47,8 +47,7 @@ def teacher_forced(store, prompts, conts, *, bonus, batch, fraction):
             rows = {i: [] for i in idx}
             chunks = [prompts[i] for i in idx]
             for t in range(len(conts[idx[0]])):
-                model.step = step
-                lp = torch.log_softmax(model.forward(seqs, chunks), -1)    # lp: [batch, vocab]
+                lp = torch.log_softmax(model.forward(seqs, chunks, StepHooks(step=step, cache_bonus=bonus)), -1)   # [batch, vocab]
                 st.end_step()
                 step += 1
                 for j, i in enumerate(idx):

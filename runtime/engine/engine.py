@@ -5,8 +5,10 @@ blocks of the cache's ``BlockManager``; the model runs the forward over its cach
 scheduler samples and finishes; the engine records, per step, batch size, unique experts per MoE
 layer, store hits / misses per tier, bytes per link, time stalled waiting for experts and step
 time (``StepRecord``), and the routing of every fed token, written as a trace in the
-``cache_policy`` format. After each MoE layer the ``PrefetchController`` (the one replay runs)
-predicts the next layer's experts and the store moves those the cost rule keeps.
+``cache_policy`` format. As soon as each MoE layer has routed (before its experts compute) the
+``PrefetchController`` (the one replay runs) predicts the next layer's experts and the store moves those
+the cost rule keeps, so their loads overlap this layer's compute. The model hears of the step through
+one ``StepHooks`` per forward.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 from cache_policy.keys import LINKS, TIERS
 from cache_policy.prefetch import LIVE_PREFETCHERS, PrefetchController
 
+from ..model.layers.context import StepHooks
 from .request import (SAMPLING_EPS, FinishReason, Request, SamplingParams, SchedulerOutput, StepOutput, StepRecord,
                       StepResult, sample)
 from .scheduler import SCHEDULES, Scheduler
@@ -51,7 +54,7 @@ class Engine:
         # fcfs: the first max_batch requests run until done. expert-aware: up to max_active requests
         # hold a KV slot, and each step runs the max_batch of them whose recent experts overlap most.
         max_active = max_active or (4 * max_batch if schedule == "expert-aware" else max_batch)
-        model.cache_bonus = float(cache_bonus)
+        self.cache_bonus = float(cache_bonus)
         self.max_context = max_context or cfg.max_position_embeddings
         self.done: dict = {}
         self.steps: list = []             # StepRecord of every step (keep_records=False: only the last)
@@ -67,9 +70,7 @@ class Engine:
                                              saving_s=store.cost.prefetch_saving(store.cpu_experts.auto),
                                              preview=model.route_preview)
         self._pred: dict = {}             # MoE layer -> experts predicted for it this step
-        self._hashed = model.hash_moe_layers if hasattr(model, "hash_moe_layers") else set()
-        model.record = self._record
-        model.prefetch_hook = self._after_moe if self.prefetcher.active else None
+        self._known = model.known_expert_layers    # MoE layers whose experts the token ids give (moved, not predicted)
         self._step_routing: list = []
         # True under tensor parallelism (runtime/parallel/group.py): an error inside a step is raised, not
         # turned into failed requests - the other ranks are waiting in a collective this rank left.
@@ -199,13 +200,21 @@ class Engine:
     def _record(self, moe_idx: int, ids) -> None:
         self._step_routing.append((moe_idx, ids.cpu().numpy()))
 
-    def _after_moe(self, m: int, used: list, x) -> None:
-        """After MoE layer m: score what was predicted for it, predict layer m + 1 and move what pays."""
+    def _hooks(self, record: bool = True) -> StepHooks:
+        """What the model hears of this step (one object per forward; the model keeps none of it)."""
+        return StepHooks(step=self._step_no, cache_bonus=self.cache_bonus, record=self._record if record else None,
+                         routed=self._routed if self.prefetcher.active else None)
+
+    def _routed(self, m: int, used: list, x) -> None:
+        """MoE layer m has routed and asked for its experts (they have not computed yet): score what was
+        predicted for it, predict layer m + 1 and move what pays - the loads overlap layer m's experts. Layer
+        m's experts are protected: a prefetch never evicts what is about to compute (replay protects them
+        alike)."""
         ctl, store = self.prefetcher, self.store
         if m in self._pred:
             ctl.learn(self._pred.pop(m), used)
         nxt = m + 1
-        if (nxt >= self.model.cfg.num_moe_layers or nxt < store.cpu_experts.layers or nxt in self._hashed
+        if (nxt >= self.model.cfg.num_moe_layers or nxt < store.cpu_experts.layers or nxt in self._known
                 or not store.holds(nxt)):
             return                  # (a hash-routed layer's experts were moved exactly at the step's start; another
             #                          pipeline stage predicts its own first layer from its own routing)
@@ -213,7 +222,7 @@ class Engine:
         pred = self._pred[nxt] = ctl.predict(nxt, used, hidden=x)
         pred = ctl.select(pred, store.last_idle_link_s, set(store.resident(nxt)), store.displaced_reuse(nxt))
         if pred:
-            store.prefetch(nxt, pred, self._step_no)
+            store.prefetch(nxt, pred, self._step_no, protect=used)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list:
@@ -252,13 +261,12 @@ class Engine:
 
     def _run(self, sched: SchedulerOutput):
         self._step_routing = []
-        self.model.step = self._step_no
-        if self.prefetcher.active and self._hashed:
-            # DeepSeek-V4's hash-routed layers: their experts follow from the step's tokens (the table's rows),
-            # so they are moved now, exactly, while the first layers run - not predicted
-            for m, experts in self.model.hash_experts([t for c in sched.chunks for t in c]).items():
+        if self.prefetcher.active and self._known:
+            # Layers whose experts follow from the step's tokens (DeepSeek-V4's hash tables): moved now,
+            # exactly, while the first layers run - not predicted
+            for m, experts in self.model.known_experts([t for c in sched.chunks for t in c]).items():
                 self.store.prefetch(m, experts, self._step_no)
-        return self.model.forward([r.seq for r in sched.requests], sched.chunks)
+        return self.model.forward([r.seq for r in sched.requests], sched.chunks, self._hooks())
 
     def _file_routing(self, sched: SchedulerOutput) -> list:
         """Routing of this step's tokens, per request, in feed order (one [tokens, L, k] array per
@@ -302,12 +310,10 @@ class Engine:
         if not prompts or any(not p for p in prompts):
             raise ValueError("score needs non-empty prompts")
         seqs = [Sequence() for _ in prompts]
-        record, self.model.record = self.model.record, None
         try:
             with torch.inference_mode():
-                return self.model.forward(seqs, [[int(t) for t in p] for p in prompts])
+                return self.model.forward(seqs, [[int(t) for t in p] for p in prompts], self._hooks(record=False))
         finally:
-            self.model.record = record
             for s in seqs:
                 self.model.release(s)
             self.store.end_step()

@@ -1,11 +1,15 @@
 """MoE transformer, router variants, and checkpoint conversion into the store's layout."""
 from __future__ import annotations
 
-
 import torch
 
+from ..store import ExpertStore, Manifest
+from ..store.slices import rank_manifest
 from .config import SUPPORTED, MoEConfig
-from .moe import MoEModel, Sequence, route
+from .convert import load_dense
+from .dense_slices import shard_dense
+from .footprint import GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes as _dense_bytes, device_memory, stage_tensors
+from .moe import MoEModel, Sequence, StepHooks, route, state_bytes_per_sequence
 
 
 def compute_dtype_for(dtype: torch.dtype, device) -> torch.dtype:
@@ -20,7 +24,6 @@ def compute_dtype_for(dtype: torch.dtype, device) -> torch.dtype:
 
 
 def rank_stride(m, shard) -> int:
-    from ..parallel.shard import rank_manifest
     return rank_manifest(m, shard).blob_stride
 
 
@@ -43,9 +46,6 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     model with linear-attention layers reserves their recurrent state on the device (in
     ``kv_cache_bytes`` when given). ``rank``: a tensor-parallel rank (runtime/parallel/group.py ``Rank``):
     the model and store hold its slice (runtime/parallel/shard.py), and every budget is the rank's."""
-
-    from ..store import ExpertStore, Manifest
-    from .convert import load_dense
     cfg = MoEConfig.from_hf(store_dir)
     m = Manifest.read(store_dir)
     H, I = cfg.expert_in, cfg.expert_intermediate
@@ -64,13 +64,11 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     shard, moe_range = None, None
     if rank is not None and rank.layers is not None and tuple(rank.layers) != (0, cfg.num_layers):
         # A pipeline stage: its layers' tensors, the embeddings on the first, norm and head on the last.
-        from ..plan import stage_tensors
         lo, hi = rank.layers
         keep = set(stage_tensors(cfg, dense, set(range(lo, hi)), lo == 0, hi == cfg.num_layers))
         dense = {n: t for n, t in dense.items() if n in keep}
         moe_range = tuple(rank.moe)
     if rank is not None and rank.tp > 1:
-        from ..parallel.shard import shard_dense
         dense = shard_dense(cfg, rank.plan, dense)       # the rank's slice of the checkpoint's tensors
         cfg, shard = rank.plan.cfg, rank.plan.shard
     dtype = dtype or compute_dtype_for(stored,
@@ -79,17 +77,15 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     stride = m.blob_stride if shard is None else rank_stride(m, shard)
     held = m.num_layers if moe_range is None else moe_range[1] - moe_range[0]     # MoE layers this process holds
     if device_budget == "auto":
-        # runtime/plan.py: the device's memory at gpu_memory_utilization, the cache for max_batch sequences of
-        # the context (up to 8192 tokens) unless --kv-cache-budget says otherwise, the rest expert slots.
-        from ..plan import GPU_MEMORY_UTILIZATION, cache_bytes, device_memory
+        # As runtime/plan.py reports it (footprint.py): the device's memory at gpu_memory_utilization, the cache for
+        # max_batch sequences of the context (up to 8192 tokens) unless --kv-cache-budget says otherwise, the rest
+        # expert slots.
         mem, _ = device_memory(device or (rank.device if rank is not None else None) or
                                ("cuda" if torch.cuda.is_available() else None), profile)
         device_budget = int(mem * GPU_MEMORY_UTILIZATION)
         if not kv_cache_bytes:
             kv_cache_bytes = cache_bytes(cfg, dtype, min(cfg.max_position_embeddings, 8192), max_batch)
     if device_budget is not None:
-        from ..plan import dense_bytes as _dense_bytes
-        from .moe import state_bytes_per_sequence
         dense_bytes = _dense_bytes(dense.values(), dtype)
         need = cfg.top_k * stride * (m.num_layers if scope == "layer" else 1)
         state = max_batch * state_bytes_per_sequence(cfg, dtype)
@@ -114,4 +110,4 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                     host_act_quant=host_act_quant, dense_quant=dense_quant, tp=rank), store
 
 
-__all__ = ["SUPPORTED", "MoEConfig", "MoEModel", "Sequence", "route", "load_model"]
+__all__ = ["SUPPORTED", "MoEConfig", "MoEModel", "Sequence", "StepHooks", "route", "load_model"]

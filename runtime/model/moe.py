@@ -11,32 +11,31 @@ from the config: runtime/model/layers/) plus the embedding and the head; ``forwa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import kernels
-from .attn_res import BlockAttnRes
 from .config import MoEConfig
 from .layers.attention import Attention
 from .layers.cache import (KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, cache_specs,
                            kv_block_size, kv_bytes_per_token, kv_shape, state_bytes_per_sequence)
-from .layers.context import ForwardContext, build_context
-from .hyper import HyperConnection, HyperHead
+from .layers.context import NO_HOOKS, ForwardContext, StepHooks, build_context
+from .hyper import HyperConnection
 from .layers.linear import LinearAttentionLayer
 from .layers.v4_attention import CompressedCacheSpec, V4Attention
 from .layers.mla import MLAttention
 from .layers.mlp import DenseMLP
-from .layers.moe_block import ExpertExecutor, MoEBlock
-from .layers.norm import rms_norm
+from .layers.experts import ExpertExecutor
+from .layers.moe_block import MoEBlock
+from .layers.norm import RMSNorm, rms_norm
 from .layers.rope import RotaryEmbedding, mla_softmax_scale, rope_frequencies
 from .layers.router import route
-from .layers.dense import Linear
-from .layers.fused import FusedDecode, StepBuffers
+from .layers.dense import DENSE_QUANT, Linear
+from .layers.fused import build_fused
 from .layers.parallel import Reduced, Skipped
 from .layers.weights import DenseTensors, layer_prefix, linear_opts, take, take_raw
+from .residual import DecoderLayer, layer_residual_tensors, residual_kind, residual_tensors
 
-__all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
+__all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "StepHooks", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
            "TokenCacheSpec", "WindowCacheSpec", "cache_specs", "kv_bytes_per_token", "kv_shape",
            "state_bytes_per_sequence", "rms_norm", "route", "rope_frequencies", "mla_softmax_scale"]
 
@@ -44,21 +43,6 @@ __all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "KVFul
 def fused_decode_on() -> bool:
     import os
     return os.environ.get("TIERED_MOE_FUSED_DECODE", "1") != "0"
-
-
-@dataclass
-class DecoderLayer:
-    """One decoder layer: attention (GQA, ring, MLA or linear) and FFN (dense MLP or MoE block),
-    each after its RMSNorm; with Block Attention Residuals, the pseudo-queries of its two sublayers."""
-    index: int
-    attn: object
-    ffn: object
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    attn_query: "torch.Tensor | None" = None
-    mlp_query: "torch.Tensor | None" = None
-    attn_hc: "HyperConnection | None" = None      # DeepSeek-V4's hyper-connections around each sublayer
-    ffn_hc: "HyperConnection | None" = None
 
 
 def attention_kind(cfg: MoEConfig, i: int):
@@ -87,19 +71,13 @@ def dense_tensors(cfg: MoEConfig) -> dict:
     them (convert reads exactly this table; MoEModel.unused lists what no layer took)."""
     H = cfg.hidden_size
     out = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
-    if cfg.attn_res_block_layers:
-        out["model.attn_res.final_query"] = (H,)
-    if cfg.hc_mult:
-        out.update(HyperHead.tensors(cfg))
+    out.update(residual_tensors(cfg))
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_layers):
         p = layer_prefix(i)
         out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
-        if cfg.attn_res_block_layers:
-            out.update({p + "attn_res.attn_query": (H,), p + "attn_res.mlp_query": (H,)})
-        if cfg.hc_mult:
-            out.update({**HyperConnection.tensors(cfg, p + "attn_hc."), **HyperConnection.tensors(cfg, p + "ffn_hc.")})
+        out.update(layer_residual_tensors(cfg, p))
         out.update(attention_kind(cfg, i).tensors(cfg, i))
         if i in cfg.moe_layers:
             out.update(MoEBlock.tensors(cfg, i))
@@ -125,11 +103,6 @@ class MoEModel:
         if self.pipe is not None and cfg.attn_res_block_layers:
             raise ValueError(f"{cfg.source}: pipeline stages with Block Attention Residuals are not supported yet "
                              f"(a stage would hand over every block summary); run it with --tensor-parallel only")
-        # Set by the engine between steps; read into each forward's ForwardContext.
-        self.cache_bonus = 0.0            # cache-aware routing: added to resident experts' router logits
-        self.step = 0                     # placement time; the engine advances it once per step
-        self.record = None                # callable(moe_idx, ids [tokens, k]) when the engine records routing
-        self.prefetch_hook = None         # callable(moe_idx, used, hidden) after each MoE layer
         self.tokens_per_thread = 128      # intra-op threads of a forward: one per this many tokens (see forward)
         self._tokens = None               # token ids of the forward running now [tokens] (hash-routed layers)
         if cfg.norm_offset:   # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight): folded in once here
@@ -138,7 +111,6 @@ class MoEModel:
                     dense[k] = dense[k].float() + cfg.norm_offset
         # Takes ownership of `dense`: the layers take it apart, each tensor converted to the compute
         # dtype as it is taken (layers/weights.py), so at most one converted copy is alive at a time.
-        from .layers.dense import DENSE_QUANT
         if dense_quant not in DENSE_QUANT:
             raise ValueError(f"dense quantization {dense_quant!r} is not one of {', '.join(DENSE_QUANT)}")
         w = DenseTensors(dense, device, dtype, dense_quant, host_act_quant)
@@ -148,67 +120,73 @@ class MoEModel:
         self.executor = ExpertExecutor(cfg, experts, dtype, device, host_act_quant)
         self.kv = None            # PagedKV, made by init_kv (the engine sizes it; else on first use)
         self.kv_bytes = kv_bytes
-        # Per-token layers index the paged KV cache, linear-attention layers the state arena,
-        # sliding-window layers the rings.
-        mine = set(self.layer_ids)
-        index = {k: {layer: j for j, layer in enumerate(x for x in ls if x in mine)}
-                 for k, ls in (("paged", cfg.paged_layers), ("window", cfg.window_layers), ("state", cfg.linear_layers),
-                               ("v4", cfg.v4_layers))}
-        self._paged = len(index["paged"])
-        self.layers: list = []
-        moe_blocks, gqa = [], False
-        for i in self.layer_ids:
-            pre = layer_prefix(i)
-            attn = build_attention(cfg, i, w, index)
-            split = tp.plan if tp is not None and tp.plan.shard.world > 1 else None
-            if i in self.moe_index:
-                ffn = MoEBlock(cfg, i, self.moe_index[i], w, experts, self.executor)
-                moe_blocks.append(ffn)
-            elif split is not None and split.dense_mlp == "rank0" and split.shard.rank:
-                ffn = Skipped()                  # rank 0 computes this dense MLP alone (layers/parallel.py)
-            else:
-                ffn = DenseMLP(w, pre + cfg.mlp_prefix)
-            gqa = gqa or isinstance(attn, Attention)
-            if split is not None:
-                attn = Reduced(attn, tp.all_reduce) if split.attn_split[i] else attn
-                ffn = Reduced(ffn, tp.all_reduce) if split.ffn_split[i] else ffn
-            q = (take(w, pre + "attn_res.attn_query"), take(w, pre + "attn_res.mlp_query")) if cfg.attn_res_block_layers \
-                else (None, None)
-            hc = (HyperConnection(cfg, w, pre + "attn_hc."), HyperConnection(cfg, w, pre + "ffn_hc.")) if cfg.hc_mult \
-                else (None, None)
-            self.layers.append(DecoderLayer(i, attn, ffn, take(w, pre + "input_layernorm.weight"),
-                                            take(w, pre + "post_attention_layernorm.weight"), *q, *hc))
-        self.moe_blocks = moe_blocks
+        self.layers = [self._build_layer(i, w) for i in self.layer_ids]
+        self.moe_blocks = [layer.ffn for layer in self.layers if layer.index in self.moe_index]
         # GQA layers read cos / sin broadcast over heads: built once per forward only when one exists.
-        self.gqa = gqa
+        self.gqa = any(layer.attn.reads_rope_heads for layer in self.layers)
         self.embed = take(w, "model.embed_tokens.weight") if self.first or (self.last and cfg.tie_word_embeddings) \
             else None
-        self.norm = take(w, "model.norm.weight") if self.last else None
-        self.final_query = take(w, "model.attn_res.final_query") if cfg.attn_res_block_layers else None
-        self.hc_head = HyperHead(cfg, w) if cfg.hc_mult and self.last else None
+        self.norm = RMSNorm(take(w, "model.norm.weight"), cfg.rms_norm_eps) if self.last else None
+        self.residual = residual_kind(cfg)(cfg, w, self.last)       # the residual scheme (residual.py), once
         # An untied lm_head is a Linear like the attention weights (kept bf16 where that pays).
         self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype, **linear_opts(w, head=True)) \
             if "lm_head.weight" in w and self.last else None
         self.unused = sorted(w)    # dense tensors of the store no layer reads (none for a supported model)
-        # CPU decode: each GQA + MoE layer in two kernel calls where the kernels cover it (layers/fused.py);
-        # None for a layer that runs composed. TIERED_MOE_FUSED_DECODE=0 turns it off (tests compare).
-        # Not under tensor parallelism: a fused layer has no place for the all-reduces.
-        on = fused_decode_on() and (tp is None or tp.plan.shard.world == 1)
-        self.fused = [FusedDecode.build(layer, device) if on else None for layer in self.layers]
-        dims = [f.dims() for f in self.fused if f is not None]
-        self._step_bufs = StepBuffers(tuple(max(d[i] for d in dims) for i in range(7))) if dims else None
+        self._pick_layer_backends(tp, device)
+
+    def _build_layer(self, i: int, w: dict) -> DecoderLayer:
+        """Model layer ``i``: its attention and FFN kinds from the config, split sublayers wrapped for the
+        all-reduce, the residual scheme's per-layer tensors."""
+        cfg, tp, pre = self.cfg, self.tp, layer_prefix(i)
+        attn = build_attention(cfg, i, w, self._cache_index)
+        split = tp.plan if tp is not None and tp.plan.shard.world > 1 else None
+        if i in self.moe_index:
+            ffn = MoEBlock(cfg, i, self.moe_index[i], w, self.experts, self.executor)
+        elif split is not None and split.dense_mlp == "rank0" and split.shard.rank:
+            ffn = Skipped()                  # rank 0 computes this dense MLP alone (layers/parallel.py)
+        else:
+            ffn = DenseMLP(w, pre + cfg.mlp_prefix)
+        if split is not None:
+            attn = Reduced(attn, tp.all_reduce) if split.attn_split[i] else attn
+            ffn = Reduced(ffn, tp.all_reduce) if split.ffn_split[i] else ffn
+        q = (take(w, pre + "attn_res.attn_query"), take(w, pre + "attn_res.mlp_query")) if cfg.attn_res_block_layers \
+            else (None, None)
+        hc = (HyperConnection(cfg, w, pre + "attn_hc."), HyperConnection(cfg, w, pre + "ffn_hc.")) if cfg.hc_mult \
+            else (None, None)
+        eps = cfg.rms_norm_eps
+        return DecoderLayer(i, attn, ffn, RMSNorm(take(w, pre + "input_layernorm.weight"), eps),
+                            RMSNorm(take(w, pre + "post_attention_layernorm.weight"), eps), *q, *hc)
+
+    @property
+    def _cache_index(self) -> dict:
+        """Each layer's place in its cache arena: per-token layers index the paged KV cache, linear-attention
+        layers the state arena, sliding-window layers the rings, V4 layers theirs."""
+        cfg, mine = self.cfg, set(self.layer_ids)
+        return {k: {layer: j for j, layer in enumerate(x for x in ls if x in mine)}
+                for k, ls in (("paged", cfg.paged_layers), ("window", cfg.window_layers), ("state", cfg.linear_layers),
+                              ("v4", cfg.v4_layers))}
+
+    def _pick_layer_backends(self, tp, device) -> None:
+        """Each layer's backend on the plain residual stream, once: the fused CPU decode (two kernel calls per
+        GQA + MoE layer, layers/fused.py) where the layer and the kernels allow, else its composed ops.
+        ``fused_why[j]`` says why layer j runs composed (None: it is fused). Not with another residual scheme
+        (the fused call adds into x itself) nor under tensor parallelism (no place for the all-reduces);
+        TIERED_MOE_FUSED_DECODE=0 turns it off (the composed path for comparison)."""
+        self._paged = len(self._cache_index["paged"])
+        off = ("TIERED_MOE_FUSED_DECODE=0" if not fused_decode_on() else
+               "not a plain residual stream" if not self.residual.fusable else
+               "tensor-parallel ranks" if tp is not None and tp.plan.shard.world > 1 else None)
+        if off is not None:
+            self.fused, self.fused_why = [None] * len(self.layers), [off] * len(self.layers)
+        else:
+            self.fused, self.fused_why = build_fused(self.layers, device)
+        for layer, f in zip(self.layers, self.fused):
+            if f is not None:
+                layer.forward = f
 
     @property
     def codec(self):
         return self.executor.codec
-
-    @property
-    def host_worker_on_cpu(self) -> bool:
-        return self.executor.host_worker_on_cpu
-
-    @host_worker_on_cpu.setter
-    def host_worker_on_cpu(self, on: bool) -> None:
-        self.executor.host_worker_on_cpu = on
 
     def route_preview(self, moe_idx: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ids [tokens, k] that MoE layer ``moe_idx`` routes hidden state x [tokens, hidden] to,
@@ -217,15 +195,16 @@ class MoEModel:
         return self.moe_blocks[moe_idx].route_preview(x, self._tokens)
 
     @property
-    def hash_moe_layers(self) -> set:
-        """MoE layers (their index among the MoE layers) routed by a token -> experts table."""
-        return {b.moe_idx for b in self.moe_blocks if b.hash is not None}
+    def known_expert_layers(self) -> set:
+        """MoE layers (their index among the MoE layers) whose experts follow from the token ids alone,
+        before the forward runs (DeepSeek-V4's hash-routed layers): ``known_experts`` gives them exactly,
+        so nothing predicts them."""
+        return {b.moe_idx for b in self.moe_blocks if b.routes_by_token}
 
-    def hash_experts(self, tokens: list) -> dict:
-        """The experts each hash-routed MoE layer will use for ``tokens`` (ids), known before the forward
-        runs: {MoE layer: sorted experts}."""
+    def known_experts(self, tokens: list) -> dict:
+        """{MoE layer: sorted experts} that the layers of ``known_expert_layers`` will use for ``tokens``."""
         ids = torch.tensor(tokens, dtype=torch.long)
-        return {b.moe_idx: torch.unique(b.hash[ids]).tolist() for b in self.moe_blocks if b.hash is not None}
+        return {b.moe_idx: b.known_experts(ids) for b in self.moe_blocks if b.routes_by_token}
 
     # -- the KV cache ----------------------------------------------------------------------------
     def kv_shape(self) -> tuple:
@@ -291,9 +270,10 @@ class MoEModel:
             self.kv.release(seq)
 
     @torch.inference_mode()
-    def forward(self, seqs: list, chunks: list) -> torch.Tensor:
+    def forward(self, seqs: list, chunks: list, hooks: StepHooks = NO_HOOKS) -> torch.Tensor:
         """Run new tokens of several sequences. chunks[j]: token ids of seqs[j] (prefill chunk or one
-        decode token). Returns logits of each chunk's last token: [len(seqs), vocab].
+        decode token). Returns logits of each chunk's last token: [len(seqs), vocab]. ``hooks``: the
+        engine's step number, cache-aware routing bonus and callbacks for this forward (context.py).
 
         Intra-op threads: at most one per ``tokens_per_thread`` tokens of the forward (never more
         than torch's setting). A decode step's ops are small - matmuls of a few rows, elementwise
@@ -307,30 +287,29 @@ class MoEModel:
         kernels.set_threads(want)         # the host kernels split even one token's experts
         use = max(1, min(want, sum(len(c) for c in chunks) // self.tokens_per_thread))
         if use == want:
-            return self._micro(seqs, chunks)
+            return self._micro(seqs, chunks, hooks)
         torch.set_num_threads(use)
         try:
-            return self._micro(seqs, chunks)
+            return self._micro(seqs, chunks, hooks)
         finally:
             torch.set_num_threads(want)
 
-    def _micro(self, seqs: list, chunks: list):
+    def _micro(self, seqs: list, chunks: list, hooks: StepHooks):
         """Pipeline stages: the step's sequences in up to ``stages`` micro-batches, one after the other on this
         stage - while the next stage runs micro-batch j, this one runs j + 1 (GPipe's schedule, for decode).
         The last stage returns the logits of all of them; the others None."""
         m = min(len(seqs), self.pipe.stages) if self.pipe is not None else 1
         if m <= 1:
-            out = self._forward(seqs, chunks)
+            out = self._forward(seqs, chunks, hooks)
         else:
             cuts = [round(i * len(seqs) / m) for i in range(m + 1)]
-            parts = [self._forward(seqs[a:b], chunks[a:b]) for a, b in zip(cuts, cuts[1:])]
+            parts = [self._forward(seqs[a:b], chunks[a:b], hooks) for a, b in zip(cuts, cuts[1:])]
             out = torch.cat(parts) if self.last else None
         if self.pipe is not None:
             self.pipe.flush()             # this step's sends have left: their buffers may be reused
         return out
 
-    def _forward(self, seqs: list, chunks: list) -> torch.Tensor:
-        cfg = self.cfg
+    def _forward(self, seqs: list, chunks: list, hooks: StepHooks) -> torch.Tensor:
         flat = [t for c in chunks for t in c]
         if self.kv is None:
             self.init_kv()
@@ -338,73 +317,21 @@ class MoEModel:
             if not self.kv.ensure(sq, sq.length + len(c)):
                 raise KVFull(f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) has no free "
                              f"block for a sequence of {sq.length + len(c)} tokens")
-        ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=self.gqa, device=self.device,
-                            step=self.step, cache_bonus=self.cache_bonus, record=self.record,
-                            after_moe=self.prefetch_hook)
+        ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=self.gqa, device=self.device, hooks=hooks)
         ids = torch.tensor(flat, device=self.device)
         ctx.tokens = self._tokens = ids
-        T, H = len(flat), cfg.hidden_size
-        if cfg.hc_mult:                   # DeepSeek-V4's hyper-connected streams h: [tokens, streams, hidden]
-            h = self.embed[ids][:, None, :].expand(-1, cfg.hc_mult, -1).contiguous() if self.first else \
-                self.pipe.recv((T, cfg.hc_mult, H), self.dtype)
-            h = self.layers_hyper(h, ctx)
-            x = self.hc_head(h) if self.last else self.pipe.send(h)
-        elif self.final_query is not None:
-            x = self.layers_attn_res(self.embed[ids], ctx)
-        else:
-            x = self.embed[ids] if self.first else self.pipe.recv((T, H), self.dtype)   # x: [tokens, hidden]
-            x = self.run_layers(x, ctx)
-            if not self.last:
-                x = self.pipe.send(x)
+        res = self.residual
+        # what flows between the layers: the embeddings entered into the residual scheme, or the stage before's
+        h = res.enter(self.embed[ids]) if self.first else self.pipe.recv(res.wire_shape(len(flat)), self.dtype)
+        h = res.run(self.layers, h, ctx)
         for s, c in zip(seqs, chunks):
             s.length += len(c)
         if not self.last:
+            self.pipe.send(h)
             return None
+        x = res.leave(h)                                                 # x: [tokens, hidden]
         # decode: every token is its sequence's last
-        h = rms_norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans], device=self.device)],
-                     self.norm, cfg.rms_norm_eps)
+        h = self.norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans], device=self.device)])
         if self.head is not None:
             return self.head(h).float()
         return torch.nn.functional.linear(h, self.embed).float()   # tied: the embedding's rows
-
-    def run_layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The decoder layers on the plain residual stream. x: [tokens, hidden]."""
-        eps = self.cfg.rms_norm_eps
-        # Fused layers update x in place (a fresh tensor: the embedding rows were gathered into it).
-        bufs = self._step_bufs
-        fused = bufs is not None and ctx.decode and not ctx.cache_bonus and x.dtype == torch.float32
-        if fused:
-            x = x.contiguous()
-            bufs.begin(x, ctx)
-        for layer, fz in zip(self.layers, self.fused):
-            if fused and fz is not None:
-                fz(ctx, bufs)
-                continue
-            x = x + layer.attn(rms_norm(x, layer.input_norm, eps), ctx)
-            x = x + layer.ffn(rms_norm(x, layer.post_norm, eps), ctx)
-            if fused:
-                bufs.begin(x, ctx)        # a composed layer made a new x
-        return x
-
-    def layers_hyper(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The decoder layers on DeepSeek-V4's hyper-connected residual streams (hyper.py): each sublayer
-        reads a mix of the streams and its output is spread back over them. h: [tokens, streams, hidden]
-        (the embeddings on every stream, or the stage before's) -> the streams after this stage's layers."""
-        eps = self.cfg.rms_norm_eps
-        for layer in self.layers:
-            h = layer.attn_hc.mix(h, lambda c: layer.attn(rms_norm(c, layer.input_norm, eps), ctx))
-            h = layer.ffn_hc.mix(h, lambda c: layer.ffn(rms_norm(c, layer.post_norm, eps), ctx))
-        return h
-
-    def layers_attn_res(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The decoder layers with Block Attention Residuals (attn_res.py): each sublayer reads a
-        softmax mix of the block summaries by its pseudo-query instead of the running sum.
-        x: [tokens, hidden] embeddings -> the final hidden state."""
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        res = BlockAttnRes(x, eps)
-        for layer in self.layers:
-            res.add(layer.attn(rms_norm(res.input(layer.attn_query), layer.input_norm, eps), ctx))
-            res.add(layer.ffn(rms_norm(res.input(layer.mlp_query), layer.post_norm, eps), ctx))
-            if (layer.index + 1) % cfg.attn_res_block_layers == 0:
-                res.end_block()
-        return res.input(self.final_query)

@@ -11,15 +11,17 @@ from ... import kernels
 from ..config import MoEConfig
 from .cache import TokenCacheSpec, WindowCacheSpec
 from .context import ForwardContext
-from .norm import rms_norm
+from .norm import RMSNorm
+from .protocol import Sublayer
 from .rope import rotate_half_roll
 from .dense import Linear
 from .weights import compute_dtype, layer_prefix, linear_opts, take, take_opt, take_raw
 
 
-class Attention:
+class Attention(Sublayer):
     """GQA attention of layer ``i``. ``kv_index``: its index among the paged layers, or
     ``ring_index``: among the sliding-window layers (a ring of the last W keys per sequence)."""
+    reads_rope_heads = True
 
     def __init__(self, cfg: MoEConfig, i: int, w: dict, *, kv_index: "int | None" = None,
                  ring_index: "int | None" = None) -> None:
@@ -48,11 +50,31 @@ class Attention:
         self.o = Linear(take_raw(w, p + "o_proj.weight"), take_opt(w, p + "o_proj.bias"), dt, **linear_opts(w))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "full":       # over the whole q / k projection (OLMoE, MiniMax-M2)
-            self.q_norm, self.k_norm = take(w, p + "q_norm.weight"), take(w, p + "k_norm.weight")
+            self.q_norm, self.k_norm = (RMSNorm(take(w, p + "q_norm.weight"), self.eps),
+                                        RMSNorm(take(w, p + "k_norm.weight"), self.eps))
         elif cfg.qk_norm == "head":     # per head: q and k weights stacked for one joint norm [heads + kv, hd]
             q, k = take(w, p + "q_norm.weight"), take(w, p + "k_norm.weight")
-            self.qk_w = torch.cat([q.expand(nh, -1), k.expand(self.nkv, -1)])
+            self.qk_w = RMSNorm(torch.cat([q.expand(nh, -1), k.expand(self.nkv, -1)]), self.eps)
         self.sinks = take(w, p + "sinks") if cfg.attn_sinks else None
+        # The per-architecture parts, once (no flag is tested in the forward): paged or ring, q/k norm,
+        # partial RoPE, sinks, the output gate.
+        self._attend = self._paged if ring_index is None else self._ring
+        self._qk = {"full": self._qk_full, "head": self._qk_head}.get(self.qk_norm, self._qk_plain)
+        self._rotate = self._rotate_partial if self.rotary_dim else self._rotate_full
+        self._sdpa = self._sdpa_plain if self.sinks is None else self._sdpa_sinks
+        self._out = self._out_gated if self.gated else self._out_plain
+        # The decode backend, once: the host kernel (RoPE, cache writes and attention of every sequence in
+        # one call) on a CPU with the kernels, float32, no sinks; else the torch ops.
+        self._decode = self._decode_host if (kernels.lib() is not None and qkv.device.type == "cpu"
+                                             and dt == torch.float32 and self.sinks is None
+                                             and (self.rotary_dim or hd) <= 1024) else self._decode_torch
+
+    def fused_refusal(self) -> "str | None":
+        """The fused CPU decode (layers/fused.py) takes paged attention with plain RoPE, without sinks or
+        an output gate."""
+        if self.ring_index is not None or self.sinks is not None or self.gated:
+            return "sliding-window, sink or gated attention"
+        return None
 
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int):
@@ -72,28 +94,30 @@ class Attention:
                 **attention_extras(cfg, p)}
 
     # -- pieces ----------------------------------------------------------------------------------
-    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE on q and k heads (cos and the signed sin broadcast over heads); with a rotary dim
-        below the head dim (Qwen3-Next: a quarter) only the first rotary_dim channels turn."""
-        rd = self.rotary_dim
-        if not rd:
-            return qk * cos + rotate_half_roll(qk) * sin
-        r = qk[..., :rd]
-        return torch.cat([r * cos + rotate_half_roll(r) * sin, qk[..., rd:]], dim=-1)
+    def _rotate_full(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k heads (cos and the signed sin broadcast over heads)."""
+        return qk * cos + rotate_half_roll(qk) * sin
 
-    def _out(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Output projection, after the sigmoid gate that follows q | k | v in qkv when gated.
-        out: [tokens, heads * hd]."""
-        if self.gated:
-            out = out * torch.sigmoid(qkv[:, (self.nh + 2 * self.nkv) * self.hd:])
+    def _rotate_partial(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A rotary dim below the head dim (Qwen3-Next: a quarter): only the first rotary_dim channels turn."""
+        r = qk[..., :self.rotary_dim]
+        return torch.cat([r * cos + rotate_half_roll(r) * sin, qk[..., self.rotary_dim:]], dim=-1)
+
+    def _out_plain(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Output projection. out: [tokens, heads * hd]."""
         return self.o(out)
 
-    def _sdpa(self, q, k, v, mask) -> torch.Tensor:
-        """q: [B, heads, Tq, hd]; k, v: [B, kv_heads, n, hd]; mask: bool, broadcast to [B, heads, Tq, n].
-        With attention sinks (gpt-oss) each head's softmax also takes a learned logit that has no
-        value: softmax over [scores, sink], the sink's share dropped."""
-        if self.sinks is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    def _out_gated(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Output projection after the sigmoid gate that follows q | k | v in qkv (Qwen3-Next)."""
+        return self.o(out * torch.sigmoid(qkv[:, (self.nh + 2 * self.nkv) * self.hd:]))
+
+    def _sdpa_plain(self, q, k, v, mask) -> torch.Tensor:
+        """q: [B, heads, Tq, hd]; k, v: [B, kv_heads, n, hd]; mask: bool, broadcast to [B, heads, Tq, n]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def _sdpa_sinks(self, q, k, v, mask) -> torch.Tensor:
+        """``_sdpa_plain`` with attention sinks (gpt-oss): each head's softmax also takes a learned logit
+        that has no value - softmax over [scores, sink], the sink's share dropped."""
         B, nh, Tq, hd = q.shape
         nkv, n = k.shape[1], k.shape[2]
         g = nh // nkv
@@ -108,42 +132,42 @@ class Attention:
         """One matmul for q, k and v (their weights concatenated at build); q and k then stay one
         tensor through their norm and RoPE (per-head ops: the same numbers, half the ops).
         Returns qkv [tokens, ...], qk [tokens, heads + kv, hd], v [tokens, kv, hd]."""
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        nq = nh + nkv
+        nkv, hd = self.nkv, self.hd
+        nq = self.nh + nkv
         qkv = self.qkv(x)
         v = qkv[:, nq * hd:(nq + nkv) * hd].view(-1, nkv, hd)
-        if self.qk_norm == "full":
-            q = rms_norm(qkv[:, :nh * hd], self.q_norm, self.eps)
-            k = rms_norm(qkv[:, nh * hd:nq * hd], self.k_norm, self.eps)
-            qk = torch.cat([q, k], -1).view(-1, nq, hd)
-        else:
-            qk = qkv[:, :nq * hd].view(-1, nq, hd)
-            if self.qk_norm == "head":
-                qk = rms_norm(qk, self.qk_w, self.eps)
-        return qkv, qk, v
+        return qkv, self._qk(qkv), v
+
+    def _qk_plain(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q | k of qkv [tokens, ...] as heads [tokens, heads + kv, hd]."""
+        return qkv[:, :(self.nh + self.nkv) * self.hd].view(-1, self.nh + self.nkv, self.hd)
+
+    def _qk_head(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q / k RMSNorm over each head (Qwen3): one joint norm of the stacked weights."""
+        return self.qk_w(self._qk_plain(qkv))
+
+    def _qk_full(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q / k RMSNorm over the whole projection (OLMoE, MiniMax-M2)."""
+        nh, hd = self.nh, self.hd
+        q = self.q_norm(qkv[:, :nh * hd])
+        k = self.k_norm(qkv[:, nh * hd:(nh + self.nkv) * hd])
+        return torch.cat([q, k], -1).view(-1, nh + self.nkv, hd)
 
     # -- forward ---------------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [tokens, hidden], tokens of several sequences back to back (ctx.spans)."""
         qkv, qk, v = self._qkv(x)
-        if self.ring_index is not None:
-            return self._out(self._ring(qk, v, ctx), qkv)
+        return self._out(self._attend(qk, v, ctx), qkv)
+
+    def _paged(self, qk: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A layer of the paged KV cache. qk: [tokens, heads + kv, hd] before RoPE; v: [tokens, kv, hd].
+        Returns the attention output [tokens, heads * hd]."""
         nh, hd = self.nh, self.hd
         K, V = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]          # [token slots, kv, hd]
         if ctx.decode:
-            out = self._decode_kernel(qk, v, ctx, K, V)
-            if out is not None:
-                return self._out(out, qkv)
-            # One token per sequence: one write and one batched product for all of them.
-            B = len(ctx.seqs)
-            cos, sin = ctx.rope_heads                                    # [B, 1, rotary dim]
-            qk = self._rotate(qk, cos, sin)
-            K[ctx.write] = qk[:, nh:]                                    # k: [B, kv, hd]
-            V[ctx.write] = v
-            kk, vv = K[ctx.read].transpose(1, 2), V[ctx.read].transpose(1, 2)   # [B, kv, n, hd]
-            out = self._sdpa(qk[:, :nh, None], kk, vv, decode_mask(ctx)).reshape(B, nh * hd)
-            return self._out(out, qkv)
-        out = torch.empty(x.shape[0], nh, hd, dtype=x.dtype, device=x.device)
+            return self._decode(qk, v, ctx, K, V)
+        dev = qk.device
+        out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=dev)
         for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(ctx.seqs, ctx.spans, ctx.prefill, ctx.rope_heads):
             p0, n_new = s.length, b - a
             qks = self._rotate(qk[a:b], cos, sin)                        # qks: [new, heads + kv, hd]
@@ -151,24 +175,34 @@ class Attention:
             V[w_idx] = v[a:b]
             n_ctx = p0 + n_new
             kk, vv = K[r_idx].transpose(0, 1), V[r_idx].transpose(0, 1)  # [kv, ctx, hd]
-            qpos = torch.arange(n_new, device=x.device)[:, None] + p0
-            causal = torch.arange(n_ctx, device=x.device)[None, :] <= qpos
+            qpos = torch.arange(n_new, device=dev)[:, None] + p0
+            causal = torch.arange(n_ctx, device=dev)[None, :] <= qpos
             o = self._sdpa(qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)
-        return self._out(out.reshape(-1, nh * hd), qkv)
+        return out.reshape(-1, nh * hd)
 
-    def _decode_kernel(self, qk, v, ctx: ForwardContext, K, V) -> "torch.Tensor | None":
+    def _decode_torch(self, qk, v, ctx: ForwardContext, K, V) -> torch.Tensor:
+        """One token per sequence: one write and one batched product for all of them. qk: [B, heads + kv,
+        hd] before RoPE; v: [B, kv, hd]; K, V: the layer's cache [token slots, kv, hd]. -> [B, heads * hd]."""
+        nh, B = self.nh, len(ctx.seqs)
+        cos, sin = ctx.rope_heads                                        # [B, 1, rotary dim]
+        qk = self._rotate(qk, cos, sin)
+        K[ctx.write] = qk[:, nh:]                                        # k: [B, kv, hd]
+        V[ctx.write] = v
+        kk, vv = K[ctx.read].transpose(1, 2), V[ctx.read].transpose(1, 2)   # [B, kv, n, hd]
+        return self._sdpa(qk[:, :nh, None], kk, vv, decode_mask(ctx)).reshape(B, nh * self.hd)
+
+    def _decode_host(self, qk, v, ctx: ForwardContext, K, V) -> torch.Tensor:
         """Decode on a CPU in one host-kernel call (runtime/kernels: RoPE, the k / v writes and the
-        attention of every sequence and head), in place of ~10 torch ops of a few rows each. None
-        where the torch path must run (sinks, another dtype or device, an unusual layout)."""
-        lib = kernels.lib() if qk.device.type == "cpu" else None
+        attention of every sequence and head), in place of ~10 torch ops of a few rows each. The torch
+        path where this step's tensors are laid out otherwise than the kernel reads them."""
+        lib = kernels.lib()
         cos, ssin = ctx.rope_heads
         rd = self.rotary_dim or self.hd
-        if (lib is None or self.sinks is not None or qk.dtype != torch.float32 or K.dtype != torch.float32
-                or qk.stride(2) != 1 or qk.stride(1) != self.hd or v.stride(2) != 1 or v.stride(1) != self.hd
+        if (qk.stride(2) != 1 or qk.stride(1) != self.hd or v.stride(2) != 1 or v.stride(1) != self.hd
                 or not (K.is_contiguous() and V.is_contiguous() and cos.is_contiguous() and ssin.is_contiguous())
-                or cos.shape[-1] != rd or rd > 1024 or ctx.read.dtype != torch.int64):
-            return None
+                or cos.shape[-1] != rd or ctx.read.dtype != torch.int64):
+            return self._decode_torch(qk, v, ctx, K, V)
         B, n = ctx.read.shape
         out = torch.empty(B, self.nh * self.hd)
         scratch = torch.empty(B * self.nh * n)

@@ -1,6 +1,9 @@
 """What one forward pass knows beyond its activations: which sequences, where their tokens go in the
 cache, their rotary angles, and the hooks of the step (vLLM's ``ForwardContext`` / nano-vllm's
-``Context``). Built once per forward by the model; every layer reads it, none edits another's part."""
+``Context``). Built once per forward by the model; every layer reads it, none edits another's part.
+
+``StepHooks`` is what the engine hands one forward: the step number, cache-aware routing's bonus and the
+two callbacks. The model keeps none of it between forwards (the engine passes it to every ``forward``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,16 +15,27 @@ from .cache import PagedKV
 from .rope import RotaryEmbedding, signed_sin
 
 
+@dataclass(frozen=True)
+class StepHooks:
+    step: int = 0                    # placement time (the engine's step number)
+    cache_bonus: float = 0.0         # cache-aware routing: added to resident experts' router logits
+    record: "Optional[Callable]" = None    # record(moe_idx, ids [tokens, k]): the routing of every token
+    # routed(moe_idx, used experts, hidden [tokens, hidden]): called as soon as MoE layer moe_idx has routed
+    # and asked the store for its experts - before they compute - so the prefetch for the next layer starts
+    # while this layer's experts run (its loads overlap this layer's compute, as replay models it)
+    routed: "Optional[Callable]" = None
+
+
+NO_HOOKS = StepHooks()
+
+
 @dataclass
 class ForwardContext:
     seqs: list                       # Sequence of each chunk
     spans: list                      # (start, end) of each chunk's tokens in the flat batch
     decode: bool                     # one token per sequence: the batched paths
     kv: PagedKV
-    step: int = 0                    # placement time (the engine's step number)
-    cache_bonus: float = 0.0         # cache-aware routing bonus for resident experts
-    record: "Optional[Callable]" = None        # record(moe_idx, ids [tokens, k])
-    after_moe: "Optional[Callable]" = None     # after_moe(moe_idx, used experts, hidden [tokens, hidden])
+    hooks: StepHooks = NO_HOOKS      # the engine's step number and callbacks
     # decode: position, write slot [B] and read slots [B, n] of each sequence (padded with slot 0, masked)
     pos: "torch.Tensor | None" = None
     write: "torch.Tensor | None" = None
@@ -38,14 +52,14 @@ class ForwardContext:
 
 
 def build_context(seqs: list, chunks: list, kv: PagedKV, rope: RotaryEmbedding, *, rope_heads: bool,
-                  device, **hooks) -> ForwardContext:
+                  device, hooks: StepHooks = NO_HOOKS) -> ForwardContext:
     """Token slots and rotary angles of this forward, computed once for every layer."""
     spans, a = [], 0
     for c in chunks:
         spans.append((a, a + len(c)))
         a += len(c)
     decode = all(b - a == 1 for a, b in spans)
-    ctx = ForwardContext(seqs=seqs, spans=spans, decode=decode, kv=kv, **hooks)
+    ctx = ForwardContext(seqs=seqs, spans=spans, decode=decode, kv=kv, hooks=hooks)
     if decode:
         pos = [s.length for s in seqs]
         n = max(pos) + 1

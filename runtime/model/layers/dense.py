@@ -50,12 +50,16 @@ class Linear:
         self.kept = (self.quant == "none" and w.dtype == torch.bfloat16 and dtype == torch.float32
                      and w.device.type == "cpu" and kernels.lib() is not None)
         self.w = self.wt = None
+        # The backend, once: the quantized kernels, the bf16 GEMV over the kept weight, or torch.mm.
         if self.quant != "none":
             self._quantize(w, act_quant)
+            self._fwd = self._quantized
         elif self.kept:
             self.w = w.contiguous()                                      # w: [out, in] bf16
+            self._fwd = self._bf16
         else:
             self.wt = w.to(dtype).t().contiguous()                       # wt: [in, out]
+            self._fwd = self._mm
 
     def _quantize(self, w: torch.Tensor, act_quant: str) -> None:
         from ...quant import get_format
@@ -72,8 +76,7 @@ class Linear:
         a.K, a.N = self.in_features, self.out_features
         a.W, a.S = self.codes.data_ptr(), self.scales.data_ptr()
         a.bias = self.bias32.data_ptr() if self.bias32 is not None else None
-        self._xq = torch.empty(0, dtype=torch.int8)
-        self._xd = torch.empty(0)
+        self._ldd = kernels.lib().tm_q8_ldd(self.in_features)           # q8 scales per row: the build's layout
 
     @property
     def nbytes(self) -> int:
@@ -84,10 +87,14 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, in] -> [n, out]."""
-        if self.quant != "none":
-            return self._quantized(x)
-        if not self.kept:
-            return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
+        return self._fwd(x)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
+
+    def _bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The kept bf16 weight: the kernel's GEMV for a few float32 rows (decode); widened for one BLAS
+        call past them (prefill)."""
         if x.shape[0] > GEMV_ROWS or x.dtype != torch.float32:
             return torch.nn.functional.linear(x, self.w.to(x.dtype), self.b)
         x = x.contiguous()
@@ -101,14 +108,14 @@ class Linear:
         x = x.float().contiguous()                                       # x: [n, in]
         n = x.shape[0]
         y = torch.empty(n, self.out_features)
-        a = self.args
-        if a.q8 and self._xq.numel() < n * self.in_features:
-            self._xq = torch.empty(n * self.in_features, dtype=torch.int8)
-            self._xd = torch.empty(n * lib.tm_q8_ldd(self.in_features))   # scales: the build's layout
+        # this call's own arguments (self.args is the template) and q8 scratch from this thread's pool:
+        # threads may share a Linear
+        a = kernels.LinArgs.from_buffer_copy(self.args)
+        if a.q8:
+            a.xq = kernels.scratch("q8.xq", n * self.in_features, torch.int8)
+            a.xd = kernels.scratch("q8.xd", n * self._ldd)
+            a.xq_rows = n
         a.n, a.nthreads = n, kernels.threads()
         a.x, a.y = x.data_ptr(), y.data_ptr()
-        a.xq, a.xd = self._xq.data_ptr(), self._xd.data_ptr()
-        rc = lib.tm_linear_q(ctypes.byref(a))
-        if rc:
-            raise RuntimeError(f"tm_linear_q refused the layout (code {rc})")
+        lib.tm_linear_q(ctypes.byref(a))              # raises KernelError on a refusal (kernels._refused)
         return y

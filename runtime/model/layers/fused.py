@@ -11,7 +11,9 @@ decisions and the recorded routing stay where they are), and ``tm_moe`` adds the
 sum into x. The shared experts, prefetch hooks and every case the kernel does not take (experts still
 streaming in, waves, more rows than the kernel's GEMV takes) run through the composed block's own code.
 
-``FusedDecode.build`` returns None for a layer it does not cover, and why (``why_not``): sliding-window
+It is a backend of the layer objects: ``build_fused`` gives each decoder layer a ``FusedDecode`` (its
+``forward`` from then on) where the layer's sublayers and the kernel's limits allow, else None and why
+(``why_not``; the sublayers answer for themselves through layers/protocol.py): sliding-window
 or gated attention, sinks, MLA and linear attention, dense MLP layers, LatentMoE, routers other than
 softmax -> top-k, top-k -> softmax and sigmoid with group-limited top-k, weights the kernels cannot read
 in place. Those layers run composed in the same step."""
@@ -24,9 +26,8 @@ import numpy as np
 import torch
 
 from ... import kernels
-from .attention import Attention
 from .dense import Linear
-from .moe_block import MoEBlock, _record_host_share, weighted_sum
+from .experts import record_host_share, weighted_sum
 
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 ROUTER_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group": 2}
@@ -43,14 +44,18 @@ class LayerArgs(ctypes.Structure):
                 ("k", _I32), ("router", _I32), ("renorm", _I32), ("n_group", _I32), ("topk_group", _I32),
                 ("eps", _F), ("scale", _F), ("route_scale", _F),
                 ("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("correction", _P),
-                ("qkv", LinDesc), ("o", LinDesc), ("gate", LinDesc), ("K", _P), ("V", _P)]
+                ("qkv", LinDesc), ("o", LinDesc), ("gate", LinDesc), ("K", _P), ("V", _P),
+                ("slots", _I64)]            # rows of K / V: the C checks every write / read slot below it
 
 
 class StepArgs(ctypes.Structure):
     _fields_ = [("B", _I64), ("n", _I64), ("x", _P), ("cos", _P), ("ssin", _P), ("write", _P), ("read", _P), ("pos", _P),
                 ("h", _P), ("qkv", _P), ("att", _P), ("tmp", _P), ("scores", _P), ("logits", _P), ("wts", _P),
                 ("ids", _P), ("xq", _P), ("xd", _P), ("n_used", _P), ("used", _P), ("counts", _P), ("row0", _P),
-                ("rows", _P), ("tok", _P), ("back", _P), ("nthreads", _I32)]
+                ("rows", _P), ("tok", _P), ("back", _P), ("nthreads", _I32),
+                # the scratch's sizes (StepBuffers._alloc): the C refuses a batch or layer past them
+                ("cap_B", _I64), ("cap_n", _I64), ("cap_H", _I64), ("cap_qkv", _I64), ("cap_att", _I64),
+                ("cap_heads", _I64), ("cap_E", _I64), ("cap_k", _I64), ("cap_K", _I64)]
 
 
 def lin_desc(lin: Linear) -> "LinDesc | None":
@@ -83,6 +88,7 @@ class StepBuffers:
         self.dims = dims
         self.B = self.n = 0
         self._views_B = -1
+        self.x = self.ctx = None           # the forward the arguments point at (``begin``)
         self.args = StepArgs()
 
     def begin(self, x: torch.Tensor, ctx) -> StepArgs:
@@ -97,7 +103,7 @@ class StepBuffers:
         a.cos, a.ssin, a.write, a.read, a.pos = (cos.data_ptr(), ssin.data_ptr(), ctx.write.data_ptr(),
                                                  ctx.read.data_ptr(), ctx.pos.data_ptr())
         a.nthreads = kernels.threads()
-        self.x, self.Bk = x, B * self.dims[5]
+        self.x, self.ctx, self.Bk = x, ctx, B * self.dims[5]
         self._keep = (cos, ssin)
         if B != self._views_B:             # this batch's rows of the step buffers, as tensors / arrays
             self._views_B = B
@@ -126,13 +132,18 @@ class StepBuffers:
         for name, arr in (("n_used", self.nused), ("used", self.used), ("counts", self.counts), ("row0", self.row0),
                           ("rows", self.rows)):
             setattr(a, name, arr.ctypes.data)
+        a.cap_B, a.cap_n = B, n
+        a.cap_H, a.cap_qkv, a.cap_att, a.cap_heads, a.cap_E, a.cap_k, a.cap_K = self.dims
 
 
 class FusedDecode:
-    """One layer's decode in two kernel calls. ``index``: the layer's place in the model."""
+    """The decode backend of one decoder layer (``DecoderLayer.forward`` where it is built): a decode step
+    in two kernel calls, every other forward through the layer's composed path. ``bufs``: the step's
+    scratch, shared by the model's fused layers."""
 
-    def __init__(self, layer, attn: Attention, block: MoEBlock, qkv: LinDesc, o: LinDesc, gate: LinDesc) -> None:
-        self.layer, self.attn, self.block = layer, attn, block
+    def __init__(self, layer, bufs: "StepBuffers | None" = None) -> None:
+        attn, block = layer.attn, layer.ffn
+        self.layer, self.attn, self.block, self.composed = layer, attn, block, layer.composed
         self.lib = kernels.lib()
         cfg = block.cfg
         L = self.args = LayerArgs()
@@ -144,93 +155,111 @@ class FusedDecode:
         L.renorm = int(bool(cfg.norm_topk_prob))
         L.n_group, L.topk_group = int(cfg.n_group or 1), int(cfg.topk_group or 1)
         L.eps, L.scale, L.route_scale = attn.eps, attn.hd ** -0.5, float(cfg.routed_scaling_factor)
-        self._keep = [layer.input_norm.contiguous(), layer.post_norm.contiguous()]
+        self._keep = [layer.input_norm.weight, layer.post_norm.weight]
         L.in_norm, L.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
         if attn.qk_norm == "head":
-            self._keep.append(attn.qk_w.float().contiguous())
+            self._keep.append(attn.qk_w.weight.float().contiguous())
             L.q_norm = self._keep[-1].data_ptr()
         elif attn.qk_norm == "full":
-            self._keep += [attn.q_norm.float().contiguous(), attn.k_norm.float().contiguous()]
+            self._keep += [attn.q_norm.weight.float().contiguous(), attn.k_norm.weight.float().contiguous()]
             L.q_norm, L.k_norm = self._keep[-2].data_ptr(), self._keep[-1].data_ptr()
         if block.correction is not None:
             self._keep.append(block.correction.float().reshape(-1).contiguous())
             L.correction = self._keep[-1].data_ptr()
-        L.qkv, L.o, L.gate = qkv, o, gate
+        L.qkv, L.o, L.gate = lin_desc(attn.qkv), lin_desc(attn.o), lin_desc(block.router)
+        self.experts = block.executor.backend               # HostKernelExperts (fused_refusal saw to it)
         self.kernel = block.executor.kernel
         self.K_max = max(cfg.hidden_size, attn.nh * attn.hd)
+        self.bufs = bufs
         self._kv = None
 
     @staticmethod
     def why_not(layer, device) -> "str | None":
-        """Why ``layer`` cannot decode fused (None: it can)."""
+        """Why ``layer`` cannot decode fused (None: it can): what its sublayers say (layers/protocol.py),
+        then the kernel's own limits."""
         if kernels.lib() is None or torch.device(device).type != "cpu":
             return "host kernels off or not a CPU"
+        why = layer.attn.fused_refusal() or layer.ffn.fused_refusal()
+        if why is not None:
+            return why
         attn, block = layer.attn, layer.ffn
-        if type(attn) is not Attention:
-            return f"{type(attn).__name__} attention"
-        if attn.ring_index is not None or attn.sinks is not None or attn.gated:
-            return "sliding-window, sink or gated attention"
+        cfg = block.cfg
         if attn.qk_norm not in QK_NORM_CODES:
             return f"q/k norm {attn.qk_norm!r}"
-        if type(block) is not MoEBlock:
-            return f"{type(block).__name__} FFN"
-        cfg = block.cfg
-        if block.latent_down is not None or cfg.router not in ROUTER_CODES or block.executor.kernel is None:
-            return "LatentMoE, its router, or experts without a host kernel"
-        if block.executor.dtype != torch.float32 or layer.input_norm.dtype != torch.float32:
+        if cfg.router not in ROUTER_CODES:
+            return f"router {cfg.router}"
+        if layer.input_norm.weight.dtype != torch.float32:
             return "not float32"
         if (attn.rotary_dim or attn.hd) > 1024 or cfg.num_experts > 4096 or (cfg.n_group or 1) > 256:
             return "sizes past the kernel's limits"
         if cfg.router == "sigmoid_group" and (cfg.n_group or 1) > 1 and cfg.num_experts % cfg.n_group:
             return "expert groups of unequal size"
+        if any(lin_desc(lin) is None for lin in (attn.qkv, attn.o, block.router)):
+            return "projections the kernels cannot read in place"
         return None
-
-    @classmethod
-    def build(cls, layer, device) -> "FusedDecode | None":
-        if cls.why_not(layer, device) is not None:
-            return None
-        attn, block = layer.attn, layer.ffn
-        descs = [lin_desc(attn.qkv), lin_desc(attn.o), lin_desc(block.router)]
-        if any(d is None for d in descs):
-            return None
-        return cls(layer, attn, block, *descs)
 
     def dims(self) -> tuple:
         L = self.args
         return (L.H, L.qkv.N, L.o.K, L.nh, L.E, L.k, self.K_max)
 
-    def __call__(self, ctx, bufs: StepBuffers) -> None:
-        """The layer on the step ``bufs.begin`` set up: the residual stream bufs.x updated in place."""
-        L, attn, block = self.args, self.attn, self.block
-        kv = ctx.kv
+    def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """The layer on x [B, hidden]: a decode step fused (x updated in place and returned), any other
+        forward - prefill, or a step whose routing cache-aware routing changes - composed."""
+        if not ctx.decode or ctx.hooks.cache_bonus:
+            return self.composed(x, ctx)
+        bufs = self.bufs
+        if bufs.x is not x or bufs.ctx is not ctx:       # the step's first fused layer, or one after a composed one
+            x = x.contiguous()
+            bufs.begin(x, ctx)
+        self._attention(ctx, bufs)
+        self._experts(ctx, bufs)
+        return x
+
+    def _attention(self, ctx, bufs: StepBuffers) -> None:
+        """x += o(attention(rmsnorm(x))), then h = rmsnorm(x), the router's top-k and the dispatch."""
+        L, kv = self.args, ctx.kv
         if kv is not self._kv:            # the cache arena this layer reads (fixed once the engine made it)
             self._kv = kv
-            L.K, L.V = kv.k[attn.kv_index].data_ptr(), kv.v[attn.kv_index].data_ptr()
+            L.K, L.V = kv.k[self.attn.kv_index].data_ptr(), kv.v[self.attn.kv_index].data_ptr()
+            L.slots = kv.k[self.attn.kv_index].numel() // (L.nkv * L.hd)       # [slots, nkv, hd] rows it holds
         rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(bufs.args))
         if rc:
             raise RuntimeError(f"tm_attn_block refused layer {self.layer.index} (code {rc})")
-        x, m, B, Bk = bufs.x, block.moe_idx, bufs.x.shape[0], bufs.Bk
+
+    def _experts(self, ctx, bufs: StepBuffers) -> None:
+        """The routed experts through the MoE block's own stages (request: record, store, hooks), their
+        weighted sum added into x by ``tm_moe``, then the block's shared experts."""
+        block, x, B, Bk = self.block, bufs.x, bufs.x.shape[0], bufs.Bk
         h, wts = bufs.hB, bufs.wtsB                                      # h: [B, hidden], post-norm
-        if ctx.record is not None:
-            ctx.record(m, torch.from_numpy(bufs.idsB.copy()))            # [B, k] expert ids (a copy: the buffer is reused)
+        # [B, k] expert ids for the recorded routing (a copy: the buffer is reused by the next layer)
+        ids = torch.from_numpy(bufs.idsB.copy()) if ctx.hooks.record is not None else None
         nu = int(bufs.nused[0])
         used, counts = bufs.used[:nu].tolist(), bufs.rows[:nu].tolist()
-        fetch = block.store.request(m, used, ctx.step, counts)
-        ex = block.executor
-        if fetch.plan is None and not fetch.pending and max(counts) <= self.kernel.max_rows and not ex.host_worker_on_cpu:
+        fetch = block.request(ctx, ids, used, counts, h)
+        if self.experts.takes(fetch, counts):
             t0 = time.perf_counter()
             self.kernel.run_step([fetch.tensors(e) for e in used], bufs.row0, bufs.rows, bufs.xs.data_ptr(),
                                  bufs.ys.data_ptr(), Bk, h.data_ptr(), bufs.tok.data_ptr(), bufs.back.data_ptr(),
-                                 wts.data_ptr(), x.data_ptr(), B, L.k)
-            _record_host_share(fetch, used, counts, t0)
-        else:            # the composed block's general path from here: waves, loads in flight, prefill-sized rows
+                                 wts.data_ptr(), x.data_ptr(), B, self.args.k)
+            record_host_share(fetch, used, counts, t0)
+        else:            # the executor's general path: waves, loads in flight, prefill-sized rows
             off = [0] + np.cumsum(bufs.counts).tolist()
-            ys = ex.run(m, fetch, h[bufs.tokB], off)
+            ys = block.executor.run(block.moe_idx, fetch, h[bufs.tokB], off)
             x += weighted_sum(ys, bufs.backB, wts)
-        if block.shared is not None:
-            sh = block.shared(h)
-            if block.shared_gate is not None:
-                sh = sh * torch.sigmoid(block.shared_gate(h))
+        sh = block.shared_out(h)
+        if sh is not None:
             x += sh
-        if ctx.after_moe is not None:
-            ctx.after_moe(m, used, h)
+
+
+def build_fused(layers: list, device) -> list:
+    """Each layer's decode backend: a ``FusedDecode`` where the layer can take it (sharing one
+    ``StepBuffers`` sized by the largest), else None; and why not, per layer."""
+    why = [FusedDecode.why_not(layer, device) for layer in layers]
+    fused = [FusedDecode(layer) if w is None else None for layer, w in zip(layers, why)]
+    dims = [f.dims() for f in fused if f is not None]
+    if dims:
+        bufs = StepBuffers(tuple(max(d[i] for d in dims) for i in range(7)))
+        for f in fused:
+            if f is not None:
+                f.bufs = bufs
+    return fused, why

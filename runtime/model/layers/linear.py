@@ -11,6 +11,7 @@ from ..linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, K
 from .cache import StateCacheSpec
 from .context import ForwardContext
 from .weights import layer_prefix, take
+from .protocol import Sublayer
 
 
 def linear_kind(cfg: MoEConfig):
@@ -25,7 +26,7 @@ def linear_kind(cfg: MoEConfig):
                                               conv_kernel_size=cfg.linear_conv_kernel, rms_norm_eps=cfg.rms_norm_eps)
 
 
-class LinearAttentionLayer:
+class LinearAttentionLayer(Sublayer):
     def __init__(self, cfg: MoEConfig, i: int, w: dict, *, state_index: int) -> None:
         kind, lc = linear_kind(cfg)
         p = layer_prefix(i) + cfg.linear_prefix

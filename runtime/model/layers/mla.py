@@ -10,9 +10,10 @@ from ..config import MoEConfig
 from .attention import attention_extras
 from .cache import TokenCacheSpec
 from .context import ForwardContext
-from .norm import rms_norm
+from .norm import RMSNorm
 from .rope import _no_rotation, _rotate, mla_softmax_scale, rope_interleaved
 from .weights import layer_prefix, take
+from .protocol import Sublayer
 
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever the model's rms_norm_eps: so
@@ -21,7 +22,7 @@ from .weights import layer_prefix, take
 LATENT_NORM_EPS = 1e-6
 
 
-class MLAttention:
+class MLAttention(Sublayer):
     def __init__(self, cfg: MoEConfig, i: int, w: dict, *, kv_index: int) -> None:
         p = layer_prefix(i) + "self_attn."
         self.i, self.kv_index, self.eps = i, kv_index, LATENT_NORM_EPS
@@ -29,13 +30,15 @@ class MLAttention:
                                                             cfg.v_head_dim, cfg.kv_lora_rank)
         self.scale = mla_softmax_scale(cfg)
         if cfg.q_lora_rank:
-            self.q_a, self.q_a_norm, self.q_b = (take(w, p + "q_a_proj.weight"), take(w, p + "q_a_layernorm.weight"),
+            self.q_a, self.q_a_norm, self.q_b = (take(w, p + "q_a_proj.weight"),
+                                                 RMSNorm(take(w, p + "q_a_layernorm.weight"), self.eps),
                                                  take(w, p + "q_b_proj.weight"))
-            self.q = None
+            self._q = self._q_lora            # DeepSeek-V2 / V3: q through its low-rank projection
         else:
             self.q = take(w, p + "q_proj.weight")
+            self._q = self._q_full            # DeepSeek-V2-Lite: one q projection
         self.kv_a = take(w, p + "kv_a_proj_with_mqa.weight")
-        self.kv_a_norm = take(w, p + "kv_a_layernorm.weight")
+        self.kv_a_norm = RMSNorm(take(w, p + "kv_a_layernorm.weight"), self.eps)
         self.kv_b = take(w, p + "kv_b_proj.weight")
         self.o = take(w, p + "o_proj.weight")
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
@@ -64,15 +67,17 @@ class MLAttention:
                     p + "o_proj.weight": (H, nh * cfg.v_head_dim)})
         return {**out, **attention_extras(cfg, layer_prefix(i))}
 
+    def _q_lora(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.q_a_norm(F.linear(x, self.q_a)), self.q_b)
+
+    def _q_full(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.q)
+
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         nh, nope, rope, vd, lat = self.nh, self.nope, self.rope, self.vd, self.lat
-        if self.q is None:
-            q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps), self.q_b)
-        else:
-            q = F.linear(x, self.q)
-        q = q.view(-1, nh, nope + rope)                                  # q: [tokens, heads, nope+rope]
+        q = self._q(x).view(-1, nh, nope + rope)                         # q: [tokens, heads, nope+rope]
         ckv = F.linear(x, self.kv_a)                                     # ckv: [tokens, lat+rope]
-        latent = rms_norm(ckv[:, :lat], self.kv_a_norm, self.eps)
+        latent = self.kv_a_norm(ckv[:, :lat])
         k_rot = ckv[:, lat:]
         rot = self.rot
         K = ctx.kv.k[self.kv_index]                                      # K: [token slots, 1, lat+rope]

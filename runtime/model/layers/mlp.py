@@ -6,14 +6,16 @@ import torch.nn.functional as F
 
 from .dense import Linear
 from .weights import compute_dtype, linear_opts, take_raw
+from .protocol import Sublayer
 
 
-class DenseMLP:
+class DenseMLP(Sublayer):
     """SwiGLU: down(silu(gate x) * up x); ``limit`` > 0 (DeepSeek-V4's shared expert): gate clamped
     from above and up to +-limit first."""
 
     def __init__(self, w: dict, prefix: str, limit: float = 0.0) -> None:
         self.limit = float(limit)
+        self._act = self._swiglu_clamped if self.limit else self._swiglu     # picked once
         gate, up = take_raw(w, prefix + "gate_proj.weight"), take_raw(w, prefix + "up_proj.weight")
         self.inter = gate.shape[0]
         self.gate_up = Linear(torch.cat([gate, up]), None, compute_dtype(w, gate), **linear_opts(w))   # [gate | up]
@@ -27,7 +29,10 @@ class DenseMLP:
     def __call__(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         # x: [tokens, hidden]
         h = self.gate_up(x)                                              # h: [tokens, 2 inter]
-        g, u = h[:, :self.inter], h[:, self.inter:]
-        if self.limit:
-            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
-        return self.down(F.silu(g) * u)
+        return self.down(self._act(h[:, :self.inter], h[:, self.inter:]))
+
+    def _swiglu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return F.silu(g) * u
+
+    def _swiglu_clamped(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return F.silu(g.clamp(max=self.limit)) * u.clamp(-self.limit, self.limit)

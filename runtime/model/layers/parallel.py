@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from .protocol import Sublayer
 
-class Reduced:
+
+class Reduced(Sublayer):
     """``inner``'s output, summed over the ranks by ``reduce`` (an in-place all-reduce)."""
 
     def __init__(self, inner, reduce) -> None:
@@ -20,11 +22,18 @@ class Reduced:
         self.reduce(y)
         return y
 
+    @property
+    def reads_rope_heads(self) -> bool:
+        return self.inner.reads_rope_heads
+
+    def fused_refusal(self) -> str:
+        return "split over tensor-parallel ranks (the fused layer has no place for the all-reduce)"
+
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
 
-class Skipped:
+class Skipped(Sublayer):
     """A sublayer another rank computes: zeros of x's shape."""
 
     def __call__(self, x: torch.Tensor, ctx=None) -> torch.Tensor:

@@ -101,6 +101,11 @@ ROUTERS = {f.__name__: f for f in (softmax_topk, topk_softmax, sigmoid_group, so
                                    sqrtsoftplus)}
 
 
+# Routers that choose with a selection-only correction bias -> the shape the checkpoint stores it in, from the
+# number of experts (ERNIE 4.5: [1, E], one group of experts).
+CORRECTION_BIAS = {"sigmoid_group": lambda E: (E,), "sqrtsoftplus": lambda E: (E,), "softmax_bias": lambda E: (1, E)}
+
+
 def route(logits: torch.Tensor, cfg: "MoEConfig", bias: "torch.Tensor | None" = None,
           bonus: "torch.Tensor | None" = None, fn=None):
     """Router variants. logits: [tokens, E] -> (ids [tokens, k], weights [tokens, k] float32).

@@ -34,6 +34,7 @@ from ..config import MoEConfig
 from .context import ForwardContext
 from .rope import inv_frequencies
 from .weights import layer_prefix, take
+from .protocol import Sublayer
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Compressor:
             entries(e0 + j, pooled[j])
 
 
-class V4Attention:
+class V4Attention(Sublayer):
     """DeepSeek-V4 attention of layer ``i``; ``v4_index``: its place among the model's V4 layers (its
     arenas in the cache)."""
 

@@ -2,7 +2,6 @@
 equations, and the K3-shaped synthetic checkpoint (KDA:MLA 3:1, LatentMoE, top-k of many experts,
 two shared experts, Block AttnRes, MXFP4 experts) that ``demo --shape k3`` runs."""
 import math
-import types
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from runtime.engine import Engine, SamplingParams
 from runtime.model import MoEConfig, Sequence, load_model
 from runtime.model.attn_res import BlockAttnRes
 from runtime.model.convert import convert
-from runtime.model.moe import rms_norm
 from runtime.model.synthetic import K3ShapeSpec, build_k3_checkpoint
 from runtime.store import Manifest
 
@@ -95,7 +93,7 @@ def test_k3_shape_config(k3_store):
 
 def test_model_residual_stream_is_block_attn_res(k3_store):
     """The model's forward equals the same sublayers wired through the plain loop above."""
-    def plain_layers(self, x, ctx):
+    def plain_layers(self, x, ctx, final_query):
         cfg = self.cfg
         outputs, block_of = [], []
 
@@ -103,13 +101,27 @@ def test_model_residual_stream_is_block_attn_res(k3_store):
             return plain_input(x, outputs, block_of, len(outputs) // 2 // cfg.attn_res_block_layers, q,
                                cfg.rms_norm_eps).to(x.dtype)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(inp(layer.attn_query), layer.input_norm, cfg.rms_norm_eps)
+            h = layer.input_norm(inp(layer.attn_query))
             outputs.append(layer.attn(h, ctx))
             block_of.append(i // cfg.attn_res_block_layers)
-            h = rms_norm(inp(layer.mlp_query), layer.post_norm, cfg.rms_norm_eps)
+            h = layer.post_norm(inp(layer.mlp_query))
             outputs.append(layer.ffn(h, ctx))
             block_of.append(i // cfg.attn_res_block_layers)
-        return inp(self.final_query)
+        return inp(final_query)
+
+    class PlainLoop:
+        """The model's residual scheme replaced by the loop above (which returns the final hidden state)."""
+        def __init__(self, model):
+            self.model, self.final_query = model, model.residual.final_query
+
+        def enter(self, emb):
+            return emb
+
+        def run(self, layers, x, ctx):
+            return plain_layers(self.model, x, ctx, self.final_query)
+
+        def leave(self, x):
+            return x
 
     prompt = [5, 17, 3, 60, 2]
     logits = []
@@ -117,7 +129,7 @@ def test_model_residual_stream_is_block_attn_res(k3_store):
         model, store = load_model(k3_store)
         try:
             if plain:
-                model.layers_attn_res = types.MethodType(plain_layers, model)
+                model.residual = PlainLoop(model)
             s = Sequence()
             logits.append(torch.stack([model.forward([s], [prompt[:3]])[0]] +
                                       [model.forward([s], [[t]])[0] for t in prompt[3:]]))

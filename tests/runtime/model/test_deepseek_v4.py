@@ -294,7 +294,7 @@ def test_hash_routed_layers_are_prefetched_exactly(tmp_path):
     for prefetch in ("none", "freq"):
         model, store = load_model(str(tmp_path / "store"), expert_budget=12 * m.blob_stride, policy="lru")
         try:
-            assert model.hash_moe_layers == {0}
+            assert model.known_expert_layers == {0}
             eng = Engine(model, store, max_batch=2, prefill_chunk=4, prefetch=prefetch)
             ids = [eng.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=10, ignore_eos=True)) for n in (6, 3)]
             eng.run()

@@ -9,14 +9,26 @@ import torch
 from cache_policy.replay import ReplayConfig, replay_batch
 from runtime.engine import Engine, SamplingParams
 from runtime.model import MoEConfig, load_model
+from runtime.model.layers.experts import HostWorker, TorchExperts
 from runtime.store import Manifest
 
 PROMPTS = [(5, 1), (9, 2), (3, 3)]
 
 
+def as_on_cuda(model, store) -> None:
+    """The backends a CUDA build picks, on this CPU: every layer composed (the fused decode is a CPU
+    backend) and the reference expert path with a HostWorker computing the host experts beside it - so
+    the worker's gather, compute and scatter run here."""
+    ex = model.executor
+    ex.backend = TorchExperts(ex, HostWorker(ex, store))
+    for layer in model.layers:
+        layer.forward = layer.composed
+
+
 def _run(store_dir, budget, batch=3, worker=False, **kw):
     model, store = load_model(store_dir, expert_budget=budget, scope="global", **kw)
-    model.host_worker_on_cpu = worker
+    if worker:
+        as_on_cuda(model, store)
     try:
         eng = Engine(model, store, max_batch=batch, prefill_chunk=1)
         ids = [eng.add_request(torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(s)).tolist(),

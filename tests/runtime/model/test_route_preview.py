@@ -4,7 +4,7 @@ MoE layer on a hidden state equals the routing that layer's forward chose for th
 import torch
 
 from runtime.engine import Engine, SamplingParams
-from runtime.model import Sequence, load_model
+from runtime.model import Sequence, StepHooks, load_model
 
 
 def test_route_preview_equals_the_layers_routing(hf_model):
@@ -15,12 +15,12 @@ def test_route_preview_equals_the_layers_routing(hf_model):
         # was taken by a layer (one not taken would stay here; one not listed fails the load).
         assert model.unused == [], (name, model.unused)
         routed, inputs = {}, {}
-        model.record = lambda m, ids: routed.__setitem__(m, ids.clone())
-        model.prefetch_hook = lambda m, used, x: inputs.__setitem__(m, x.clone())
+        hooks = StepHooks(record=lambda m, ids: routed.__setitem__(m, ids.clone()),
+                          routed=lambda m, used, x: inputs.__setitem__(m, x.clone()))
         s = Sequence()
         for chunk in ([5, 17, 3, 60, 2, 9], [11]):          # a prefill chunk, then a decode step
             routed.clear(), inputs.clear()
-            model.forward([s], [chunk])
+            model.forward([s], [chunk], hooks)
             assert sorted(routed) == sorted(inputs) == list(range(model.cfg.num_moe_layers)), name
             for m in routed:
                 assert torch.equal(model.route_preview(m, inputs[m]), routed[m]), (name, m)
