@@ -18,7 +18,7 @@ class ChatFormatter:
         self.template = None
         self.bos = self.eos = ""
         self.template_source = None
-        self.template_text = None       # the template's source (tools.py picks the tool-call parser by its markers)
+        self.template_text = None       # the template's source (tool_parsers picks the tool-call format by its markers)
         t = None
         path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(path):

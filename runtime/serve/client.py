@@ -20,7 +20,9 @@ import threading
 import time
 from dataclasses import asdict
 
-from .engine_proc import EngineConfig
+# the configuration the engine process (engine_proc.py's EngineConfig) is spawned with: the front-end does not
+# import the engine process's module, which loads the engine and torch.distributed
+from ..config import RuntimeConfig
 from .protocol import ProtocolError, decode, encode
 
 
@@ -29,7 +31,7 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, cfg: EngineConfig, *, metrics=None, startup_timeout: float = 300.0,
+    def __init__(self, cfg: RuntimeConfig, *, metrics=None, startup_timeout: float = 300.0,
                  heartbeat_timeout: float = 60.0, restart_wait: float = 60.0) -> None:
         import zmq
         self.cfg, self.metrics = cfg, metrics

@@ -14,6 +14,9 @@ import time
 from dataclasses import asdict
 
 from ..config import RuntimeConfig
+from ..engine import FinishReason, SamplingParams
+from ..parallel.group import Group
+from ..proc import watch_parent
 from .protocol import decode, encode
 
 
@@ -25,7 +28,6 @@ def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) ->
     """Entry point of the spawned engine process. Returns the exit code: 0 after a shutdown, 1
     when it failed (the supervisor in the front-end restarts it)."""
     import zmq
-    from ..proc import watch_parent
     watch_parent(parent_pid)      # the front-end gone, also while the model loads: do not linger
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -68,10 +70,8 @@ def _rank_stats(eng, stats: dict) -> dict:
 
 def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     import zmq
-    from ..engine import FinishReason, SamplingParams
     group = None
     if cfg.tensor_parallel * cfg.pipeline_parallel > 1:        # this process is rank 0; the others start here and follow its commands
-        from ..parallel.group import Group
         group = Group(cfg)
         try:
             model, store = group.load()

@@ -5,7 +5,7 @@ returns it), the final channel the reply (``content``), a commentary message add
 call whose body is its JSON arguments; a commentary message to nobody is a preamble, shown as content.
 
 The markers are special tokens of gpt-oss's tokenizer: the server keeps them in the text of a harmony model's chat
-replies (``tools.HARMONY_TOKENS``) so this can split it. Text without channels is content as it is."""
+replies (``tool_parsers.HARMONY_TOKENS``) so this can split it. Text without channels is content as it is."""
 from __future__ import annotations
 
 import re

@@ -285,7 +285,7 @@ def test_required_and_named_tool_calls_with_the_official_client(server):
 ])
 def test_each_familys_tool_call_format_parses(family, text, content):
     """The families' tool-call formats as their chat templates define them, written out here."""
-    from runtime.serve.tools import FORMATS, parse_auto, tool_format
+    from runtime.serve.tool_parsers import FORMATS, parse_auto, tool_format
     fmt = next(f for f in FORMATS if f.name == family)
     assert tool_format("{% for t in tools %}" + fmt.marker + "{% endfor %}") is fmt   # picked by its template
     got_content, calls = parse_auto(fmt, text)

@@ -67,7 +67,7 @@ def test_template_parser_and_grammar_agree(fam, tokenizers):
     the opening token; the grammar refuses an unknown function and arguments its parameters do not allow."""
     from runtime.engine.grammar import GrammarTokenizer
     from runtime.serve.chat import ChatFormatter
-    from runtime.serve.tools import Tools, parse_auto, tool_format, trigger
+    from runtime.serve.tool_parsers import Tools, parse_auto, tool_format, trigger
     from runtime.tokenizer import Tokenizer
     d = tokenizers[fam]
     name, opener, closer = FORMAT[fam]
@@ -157,7 +157,7 @@ def test_auto_tool_calls_open_by_the_model_and_finish_by_the_grammar(served):
     arguments, closed by the family's marker; the server parses it into tool_calls - streamed and not. With
     parallel_tool_calls false the grammar ends after one call; with it, the model may open more (or end: EOS is
     pushed as hard as the marker, so which comes is the model's choice)."""
-    from runtime.serve.tools import tool_format
+    from runtime.serve.tool_parsers import tool_format
     c = client(served)
     opener = served.tok.token_id(tool_format(FAMILIES[served.family][4]).trigger)
     eos = served.tok.token_id(FAMILIES[served.family][2])
@@ -194,7 +194,7 @@ def test_auto_tool_calls_open_by_the_model_and_finish_by_the_grammar(served):
 def test_auto_without_a_call_streams_its_content(served):
     """No call opened (the marker pushed down): plain content, the same streamed as not."""
     c = client(served)
-    from runtime.serve.tools import tool_format
+    from runtime.serve.tool_parsers import tool_format
     opener = served.tok.token_id(tool_format(FAMILIES[served.family][4]).trigger)
     kw = dict(model=served.model_name, messages=[{"role": "user", "content": "hello"}], tools=[WEATHER], seed=3,
               max_tokens=12, temperature=1.0, logit_bias={str(opener): -100})
@@ -271,7 +271,7 @@ def test_streamed_arguments_are_prefixes_of_the_final_ones(fam, tokenizers):
     call's arguments only grows, is always a prefix of the final arguments, and ends equal to them (the final ones
     are the arguments as written)."""
     from runtime.serve.chat import ChatFormatter
-    from runtime.serve.tools import Tools, parse_auto, stream_spans, streamable_arguments, tool_format
+    from runtime.serve.tool_parsers import Tools, parse_auto, stream_spans, streamable_arguments, tool_format
     d = tokenizers[fam]
     _, opener, closer = FORMAT[fam]
     fmt = tool_format(ChatFormatter(d).template_text)
