@@ -35,7 +35,7 @@ from .jsonfile import read_json
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 
-# Bits per parameter with the formats' scales (runtime/quant.py): mxfp4 one E8M0 byte per 32; int4 one
+# Bits per parameter with the formats' scales (runtime/weight_formats.py): mxfp4 one E8M0 byte per 32; int4 one
 # bf16 scale per group of 32; fp8 one float32 per 128x128 tile (0.002 bits, rounded away).
 DTYPE_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8": 8.0, "int8": 8.5, "mxfp4": 4.25, "int4": 4.5}
 

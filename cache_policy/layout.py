@@ -34,6 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import cost_model as cm
+from .placement import TieredPlacement
+from .policies import LRU
+from .prefetch import PrefetchController
+from .replay import _expert_size, _run_groups, device_slots_for, make_policy_factory
 from .traces import Trace, build_groups, continuous_batches
 
 
@@ -151,10 +155,6 @@ def project(trace: Trace, cfg, batch: int, layout: Layout, *, hidden: int, allre
     ``dense_bytes``: bytes of dense weights one rank reads per step (a number, or one per stage: runtime/plan.py
     ``step_dense_bytes``), at the profile's ``hbm_read_GBps`` - decode's dense products read their weights
     once per step; 0 (a trace without its model) leaves them out, an upper bound."""
-    from .replay import _expert_size, _run_groups, device_slots_for, make_policy_factory
-    from .placement import TieredPlacement
-    from .policies import LRU
-    from .prefetch import PrefetchController
     if cfg.cpu.enabled:
         raise ValueError("layout projections model the device path: drop --cpu-experts")
     prof = cfg.cost_profile

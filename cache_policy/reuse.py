@@ -6,7 +6,8 @@ from collections import deque
 
 import numpy as np
 
-from .policies import _EMPTY, _ScoreHeap, fit_source
+from .policy_base import _EMPTY, _ScoreHeap, fit_source
+from .traces import build_groups, continuous_batches
 
 __all__ = ["Reuse", "ReuseStats"]
 
@@ -71,7 +72,6 @@ class ReuseStats:
     def fit(trace, batch: int = 1) -> "ReuseStats":
         """Count a training trace's groups under continuous batching at ``batch`` (vectorised
         with bincounts and searchsorted: no BLAS, which crawls on a shared, loaded machine)."""
-        from .traces import build_groups, continuous_batches
         g = build_groups(trace, continuous_batches(trace.seq_offsets, batch))
         L, E, S = g.num_layers, g.num_experts, g.num_steps
         A, W = ReuseStats.A, ReuseStats.W

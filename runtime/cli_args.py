@@ -4,11 +4,41 @@ so a registered entry appears here with no edit."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from cache_policy import cost_model as cm
-from cache_policy.policies import POLICIES
-from cache_policy.prefetch import PREFETCHERS
+from cache_policy.keys import SCHEDULES, SCOPES, parse_bytes
+from cache_policy.policies import POLICIES, live_policies
+from cache_policy.prefetch import LIVE_PREFETCHERS, PREFETCHERS
+from cache_policy.replay import PREFETCH_RULES
 from cache_policy.synthetic import GEOMETRIES
+
+
+class CliError(Exception):
+    """A command line value that cannot be used: the command exits 2 with its message."""
+
+
+def parse_batches(text: str) -> list:
+    """--batch (and layout lists): comma-separated positive integers."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--batch: {text!r} is not a comma-separated list of integers (e.g. 1,8,64)") from None
+    if not out or any(b < 1 for b in out):
+        raise CliError(f"--batch: batch sizes must be positive integers, got {text!r}")
+    return out
+
+
+def parse_budget(text, flag):
+    """A byte budget flag: bytes or a size (512MiB, 4GiB); --device-budget also takes auto."""
+    if text is None:
+        return None
+    if flag == "--device-budget" and str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise CliError(f"{flag}: cannot parse {text!r}: give bytes (200000) or a size such as 512MiB or 4GiB") from None
 
 
 def _add_synthetic_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +60,7 @@ class _QuantizeChoices:
     torch; replay and trace commands must not)."""
 
     def _names(self):
-        from .quant import quantize_choices
+        from .quant import quantize_choices   # here, not at the top: the registry imports torch
         return list(quantize_choices())
 
     def __contains__(self, x):
@@ -44,8 +74,8 @@ class _QuantizeChoices:
 
 
 def _default_workdir() -> str:
-    from .cli import _default_workdir as wd
-    return wd()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tiered-moe", "demo")
 
 
 def _add_cache_bonus(p) -> None:
@@ -55,7 +85,6 @@ def _add_cache_bonus(p) -> None:
 
 
 def _add_schedule(p) -> None:
-    from cache_policy.keys import SCHEDULES
     p.add_argument("--schedule", default="fcfs", help=f"{' or '.join(SCHEDULES)} (fcfs: first come first served; "
                                                        "expert-aware: each step runs the --max-batch active requests "
                                                        "whose recent experts overlap most)")
@@ -72,9 +101,6 @@ def _add_tier_args(p) -> None:
                         "blocks and preempted (recomputed later) when out (default 0: --max-batch sequences of 1024 "
                         "tokens, at least one whole context up to 8192)")
     p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
-    from cache_policy.keys import SCOPES
-    from cache_policy.policies import live_policies
-    from cache_policy.prefetch import LIVE_PREFETCHERS
     p.add_argument("--policy", default="reuse", help=f"one of {', '.join(live_policies())} (default reuse: predicted "
                                                      "reuse, no collapse in a global pool at high batch)")
     p.add_argument("--scope", default="global", help=" or ".join(SCOPES))
@@ -83,7 +109,6 @@ def _add_tier_args(p) -> None:
 
 
 def _add_hybrid_args(p, live: bool = True) -> None:
-    from cache_policy.replay import PREFETCH_RULES
     p.add_argument("--cpu-experts", default="0",
                    help="where experts not on the device are computed: 0 = moved to the device (default); N = every "
                         "expert of the first N MoE layers stays on the host and is computed there (llama.cpp's "

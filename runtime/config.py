@@ -7,6 +7,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
+from cache_policy.cost_model import load_profile
+from cache_policy.keys import SCHEDULES, SCOPES, CpuExperts
+from cache_policy.policies import live_policies
+from cache_policy.prefetch import LIVE_PREFETCHERS
+from cache_policy.replay import PREFETCH_RULES
+
+from .engine import Engine
+from .kernels.moe import ACT_QUANT
+from .model import load_model
+from .model.config import MoEConfig
+from .model.layers.dense import DENSE_QUANT
+from .parallel.shard import Shard, plan, rank_manifest
+from .store import Manifest
+
 
 @dataclass
 class RuntimeConfig:
@@ -35,11 +51,6 @@ class RuntimeConfig:
     prefix_snapshots: "int | None" = None   # state snapshots for the prefix cache (stateful models; None: max_active)
 
     def __post_init__(self) -> None:
-        from cache_policy.cost_model import load_profile
-        from cache_policy.keys import SCHEDULES, SCOPES, CpuExperts
-        from cache_policy.policies import live_policies
-        from cache_policy.prefetch import LIVE_PREFETCHERS
-        from cache_policy.replay import PREFETCH_RULES
         if not os.path.isfile(os.path.join(self.model, "manifest.json")):
             raise ValueError(f"--model {self.model!r}: not a store directory (no manifest.json); "
                              f"run 'tiered-moe convert' first")
@@ -66,10 +77,8 @@ class RuntimeConfig:
             raise ValueError(f"--prefetch-rule {self.prefetch_rule!r}: use {', '.join(PREFETCH_RULES)}")
         if self.profile is not None:
             load_profile(self.profile)
-        from .kernels.moe import ACT_QUANT
         if self.host_act_quant not in ACT_QUANT:
             raise ValueError(f"--host-act-quant {self.host_act_quant!r}: use {' or '.join(ACT_QUANT)}")
-        from .model.layers.dense import DENSE_QUANT
         if self.dense_quant not in DENSE_QUANT:
             raise ValueError(f"--dense-quant {self.dense_quant!r}: use {', '.join(DENSE_QUANT)}")
         if self.prefix_snapshots is not None and (not isinstance(self.prefix_snapshots, int) or self.prefix_snapshots < 0):
@@ -79,7 +88,6 @@ class RuntimeConfig:
         if not isinstance(self.pipeline_parallel, int) or self.pipeline_parallel < 1:
             raise ValueError(f"--pipeline-parallel must be a positive integer, got {self.pipeline_parallel!r}")
         if self.pipeline_parallel > 1:
-            from .model.config import MoEConfig
             mc = MoEConfig.from_hf(self.model)
             if self.pipeline_parallel > mc.num_moe_layers:
                 raise ValueError(f"--pipeline-parallel {self.pipeline_parallel}: the model has {mc.num_moe_layers} MoE "
@@ -94,19 +102,12 @@ class RuntimeConfig:
             if self.host_budget is not None:
                 raise ValueError("--tensor-parallel needs a host tier that holds every expert (shared by the node's "
                                  "ranks): drop --host-budget")
-            from .model.config import MoEConfig
-            from .parallel.shard import Shard, plan
-            from .store import Manifest
-            from .parallel.shard import rank_manifest
             plan(MoEConfig.from_hf(self.model), Shard(0, self.tensor_parallel))   # what cannot split says so now
             rank_manifest(Manifest.read(self.model), Shard(0, self.tensor_parallel))
 
     def load(self, progress: bool = False, rank=None):
         """The model and its store, as configured: (model, store). ``rank``: this process's place in a
         tensor-parallel group (runtime/parallel/group.py): its slices."""
-        import torch
-
-        from .model import load_model
         if self.threads:
             torch.set_num_threads(self.threads)
         return load_model(self.model, device_budget=self.device_budget, expert_budget=self.expert_budget,
@@ -120,7 +121,6 @@ class RuntimeConfig:
         """The engine over ``model`` and ``store``. ``max_batch`` lowers the configured one and
         ``max_active`` is then raised to at least it (generate knows its batch: no more sequences
         than prompts run at once)."""
-        from .engine import Engine
         batch = min(self.max_batch, max_batch or self.max_batch)
         max_active = max_active if max_active is not None else self.max_active
         max_active = None if max_active is None else max(max_active, batch)

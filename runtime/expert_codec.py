@@ -1,4 +1,4 @@
-"""One expert blob: its logical weights (``WeightSpec``, the formats of runtime/quant.py), how to
+"""One expert blob: its logical weights (``WeightSpec``, the formats of runtime/weight_formats.py), how to
 encode them, and ``ExpertCodec``, which turns a stored blob into the float operands the expert
 matmuls read (views for float stores, dequantized into a reused scratch for quantized ones)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .quant import WeightFormat, _Lut16, dense_format_of, get_format
+from .weight_formats import WeightFormat, _Lut16, dense_format_of, get_format
 
 # -- one expert: its logical weights and how the model gets float operands from a blob ------------
 @dataclass(frozen=True)

@@ -16,13 +16,30 @@ it), or a synthetic one of the store's shape (said so in the output).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass
 
 import torch
 
-GPU_MEMORY_UTILIZATION = 0.9
+from cache_policy import cost_model as cm
+from cache_policy.jsonfile import read_json
+from cache_policy.layout import Layout, MultiGPU, project, stage_ranges
+from cache_policy.replay import ReplayConfig
+from cache_policy.synthetic import SyntheticSpec, generate
+from cache_policy.traces import load_trace
+
+from .expert_codec import blob_tensor_specs, expert_weight_specs
+from .model.config import MoEConfig
+from .model.convert import ShippedQuant
+# What a model takes on a device: load_model splits a budget by the same sums (importable from here as before).
+from .model.footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes, device_memory,  # noqa: F401
+                              stage_tensors)
+from .model.moe import dense_tensors
+from .parallel.shard import Shard, allreduces_per_layer, plan, rank_manifest, shard_dense, stage_layers
+from .quant import cost_dtype, get_format
+from .store import Manifest
+from .store.layout import _align
+
 TRACE_NAME = "routing-trace.npz"
 
 
@@ -66,36 +83,6 @@ def step_dense_bytes(cfg, dense: dict, dtype, layers: set, first: bool, last: bo
     return dense_bytes([dense[n] for n in names], dtype)
 
 
-def dense_bytes(tensors, dtype) -> int:
-    """Bytes of the dense weights as the model holds them: floating-point tensors in the compute dtype, the
-    rest (hash tables) as stored."""
-    return int(sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in tensors))
-
-
-def device_memory(device: "str | None", profile: "str | None") -> "tuple[int, str]":
-    """(bytes, where from) of one rank's device: the CUDA device's total memory, else the profile's GPU."""
-    if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory, f"{device}'s memory"
-    from cache_policy import cost_model as cm
-    from cache_policy.layout import MultiGPU
-    name = profile or "h200"
-    return MultiGPU.of(cm.load_profile(name)).hbm_bytes, f"the {name} profile's GPU (no CUDA device here)"
-
-
-def cache_bytes(cfg, dtype, context: int, batch: int, layers: "set | None" = None,
-                snapshots: "int | None" = None) -> int:
-    """KV blocks holding ``context`` tokens of each of ``batch`` sequences plus their fixed state, for the
-    layers in ``layers`` (None: all), as PagedKV allocates them (whole blocks) - and, where the layers keep
-    per-sequence state, the prefix cache's ``snapshots`` of it (the engine's default: one per sequence)."""
-    from .model.layers.cache import cache_specs, kv_block_size
-    specs = {i: s for i, s in cache_specs(cfg).items() if layers is None or i in layers}
-    per_tok = sum(s.bytes_per_token(dtype) for s in specs.values() if hasattr(s, "bytes_per_token"))
-    per_seq = sum(s.bytes_per_sequence(dtype) for s in specs.values() if hasattr(s, "bytes_per_sequence"))
-    bs = kv_block_size(cfg)
-    blocks = batch * -(-context // bs)
-    return int(math.ceil(blocks * bs * per_tok)) + (batch + (batch if snapshots is None else snapshots)) * int(per_seq)
-
-
 def dense_shapes(store_dir: str) -> dict:
     """name -> meta tensor of each dense tensor of the store (shapes and dtypes from the file's header)."""
     from safetensors import safe_open
@@ -108,23 +95,6 @@ def dense_shapes(store_dir: str) -> dict:
                       sl.get_dtype(), torch.float32)
             out[n] = torch.empty(sl.get_shape(), dtype=dt, device="meta")
     return out
-
-
-def stage_tensors(cfg, names, layers: set, first: bool, last: bool) -> list:
-    """The dense tensors a pipeline stage holds: its layers', the embeddings on the first, norm and head on
-    the last (a tied head reads the embeddings: the last stage keeps a copy)."""
-    keep = []
-    for n in names:
-        if n.startswith("model.layers."):
-            i = int(n.split(".")[2])
-            if i in layers:
-                keep.append(n)
-        elif n == "model.embed_tokens.weight":
-            if first or (last and cfg.tie_word_embeddings):
-                keep.append(n)
-        elif last:
-            keep.append(n)
-    return keep
 
 
 @dataclass
@@ -147,11 +117,6 @@ def plan_layouts(store_dir: str, *, gpus: int, context: int, batch: int, profile
                  trace=None, policy: str = "lru", expert_format: "str | None" = None) -> dict:
     """Every layout of ``gpus`` GPUs the model can run: each stage's rank plan (rank 0 of each stage: the
     ranks of a stage are alike), the projection, and the recommended layout."""
-    from cache_policy import cost_model as cm
-    from cache_policy.layout import Layout, MultiGPU, project, stage_ranges
-    from cache_policy.replay import ReplayConfig
-    from .model.config import MoEConfig
-    from .parallel.shard import Shard, allreduces_per_layer, plan, rank_manifest, shard_dense, stage_layers
     if gpus < 1 or context < 1 or batch < 1:
         raise ValueError("--gpus, --context and --batch must be positive")
     if not 0 < utilization <= 1:
@@ -225,12 +190,6 @@ def model_shape(model_dir: str, expert_format: "str | None" = None) -> tuple:
     """(config, manifest, dense meta tensors, what): from a converted store, or - before converting or even
     downloading - from a Hugging Face config.json alone (dense shapes from the architecture's tensor table,
     experts in ``expert_format``: default the checkpoint's shipped format, else bf16)."""
-    from .expert_codec import blob_tensor_specs, expert_weight_specs
-    from .model.config import MoEConfig
-    from .model.moe import dense_tensors
-    from .quant import get_format
-    from .store import Manifest
-    from .store.layout import _align
     cfg = MoEConfig.from_hf(model_dir)
     if os.path.exists(os.path.join(model_dir, "manifest.json")):
         if expert_format is not None:
@@ -238,8 +197,6 @@ def model_shape(model_dir: str, expert_format: "str | None" = None) -> tuple:
                              f"drop --expert-format")
         return cfg, Manifest.read(model_dir), dense_shapes(model_dir), "store"
     if expert_format is None:
-        from .model.convert import ShippedQuant
-        from cache_policy.jsonfile import read_json
         raw = read_json(os.path.join(model_dir, "config.json"))
         qc = raw.get("quantization_config")
         if isinstance(qc, dict) and raw.get("expert_dtype") and "expert_dtype" not in qc:
@@ -266,13 +223,10 @@ def _row(st: RankPlan) -> dict:
 
 
 def _cost_dtype(m) -> str:
-    from .quant import cost_dtype
     return cost_dtype(m.expert_format) or "bf16"
 
 
 def _trace_for(store_dir: str, cfg, m, trace) -> tuple:
-    from cache_policy.synthetic import SyntheticSpec, generate
-    from cache_policy.traces import load_trace
     if trace is not None:
         tr = load_trace(trace) if isinstance(trace, str) else trace
         src = trace if isinstance(trace, str) else "given"

@@ -16,7 +16,18 @@ import time
 
 import torch
 
+from cache_policy.layout import Layout, project
 from cache_policy.replay import ReplayConfig, replay_batch
+
+from .config import RuntimeConfig
+from .engine import Engine, SamplingParams
+from .model import load_model
+from .model.config import MoEConfig
+from .parallel.group import Group
+from .parallel.shard import Shard, allreduces_per_layer, plan as shard_plan, rank_manifest, shard_dense, stage_layers
+from .plan import dense_shapes, step_dense_bytes
+from .quant import cost_dtype
+from .store import Manifest
 
 
 def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fraction: float, requests: int,
@@ -28,19 +39,12 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     ``expert_budget_bytes``: the device tier in bytes instead of ``device_fraction`` of the experts.
     ``tensor_parallel`` / ``pipeline_parallel``: run the live part on a group of ranks (runtime/parallel:
     ``device_fraction`` is then per rank, in slices, of its stage's experts) and project that layout too."""
-    from .quant import cost_dtype
-    from .engine import Engine, SamplingParams
-    from .model import load_model
-    from .store import Manifest
     m = Manifest.read(store_dir)
     total = m.num_layers * m.num_experts
     slots = max(1, int(round(device_fraction * total))) if expert_budget_bytes is None else \
         max(1, min(total, expert_budget_bytes // m.blob_stride))
     group = None
     if tensor_parallel * pipeline_parallel > 1:
-        from .config import RuntimeConfig
-        from .parallel.group import Group
-        from .parallel.shard import Shard, rank_manifest
         stride = rank_manifest(m, Shard(0, tensor_parallel)).blob_stride if tensor_parallel > 1 else m.blob_stride
         stage = max(1, int(round(slots / pipeline_parallel)))
         cfg = RuntimeConfig(model=store_dir, expert_budget=stage * stride, policy=policy, scope="global",
@@ -81,11 +85,7 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     need = sum(s["hits"].values())
     layout = None
     if group is not None:
-        from cache_policy.layout import Layout, project
-        from .model.config import MoEConfig
         # per GPU: the same fraction of its stage's experts, as slices (what the live ranks held)
-        from .parallel.shard import Shard, allreduces_per_layer, plan as shard_plan, shard_dense, stage_layers
-        from .plan import dense_shapes, step_dense_bytes
         mc = MoEConfig.from_hf(store_dir)
         # dense weights one rank reads per step (rank 0: it also holds what does not divide), per stage
         meta = dense_shapes(store_dir)

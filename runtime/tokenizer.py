@@ -5,6 +5,19 @@ import os
 import re
 
 
+def bytes_to_unicode() -> dict:
+    """GPT-2's byte -> printable character table (what a byte-level BPE's vocabulary strings are written in):
+    printable bytes map to themselves, the rest to code points from 256 on."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
 class Tokenizer:
     def __init__(self, model_dir: str) -> None:
         path = os.path.join(model_dir, "tokenizer.json")
@@ -46,7 +59,6 @@ class Tokenizer:
         m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
         if m:
             return bytes([int(m.group(1), 16)])
-        from .model.synthetic import bytes_to_unicode
         inv = {c: b for b, c in bytes_to_unicode().items()}
         if piece and all(c in inv for c in piece):
             return bytes(inv[c] for c in piece)

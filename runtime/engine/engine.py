@@ -18,8 +18,13 @@ import numpy as np
 
 from cache_policy.keys import LINKS, TIERS
 from cache_policy.prefetch import LIVE_PREFETCHERS, PrefetchController
+from cache_policy.replay import PREFETCH_RULES
+from cache_policy.traces import Trace
 
+from ..model.layers.cache import Sequence
 from ..model.layers.context import StepHooks
+from ..quant import cost_dtype
+from .grammar import GrammarTokenizer
 from .request import (SAMPLING_EPS, FinishReason, Request, SamplingParams, SchedulerOutput, StepOutput, StepRecord,
                       StepResult, sample)
 from .scheduler import SCHEDULES, Scheduler
@@ -44,7 +49,6 @@ class Engine:
             raise ValueError(f"prefix_snapshots must be a non-negative integer, got {prefix_snapshots!r}")
         if not cache_bonus >= 0:
             raise ValueError(f"cache_bonus must be >= 0, got {cache_bonus!r}")
-        from cache_policy.replay import PREFETCH_RULES
         if prefetch_rule not in PREFETCH_RULES:
             raise ValueError(f"unknown prefetch rule {prefetch_rule!r}; choose one of {', '.join(PREFETCH_RULES)}")
         if prefetch not in LIVE_PREFETCHERS:
@@ -133,7 +137,6 @@ class Engine:
         """The tokenizer as the grammar engine indexes it: built on the first constrained request."""
         if getattr(self, "_gtok", None) is None:
             import os
-            from .grammar import GrammarTokenizer
             path = os.path.join(self.store.dir, "tokenizer.json")
             if not os.path.exists(path):
                 raise ValueError("structured output needs the model's tokenizer.json, which this store lacks")
@@ -306,7 +309,6 @@ class Engine:
         any step (the store counts them); nothing is recorded or sampled."""
         import torch
 
-        from ..model.layers.cache import Sequence
         if not prompts or any(not p for p in prompts):
             raise ValueError("score needs non-empty prompts")
         seqs = [Sequence() for _ in prompts]
@@ -321,12 +323,10 @@ class Engine:
     # -- results -------------------------------------------------------------------------------
     def trace(self):
         """The routing of every fed token, as a cache_policy Trace (one sequence per request, by id)."""
-        from cache_policy.traces import Trace
         reqs = [self.done[i] for i in sorted(self.done) if self.done[i].routing]
         per_req = [np.concatenate(r.routing) for r in reqs]
         ids = np.concatenate(per_req).astype(np.int64)                       # ids: [tokens, L, k]
         lens = [len(x) for x in per_req]
-        from ..quant import cost_dtype
         m = self.store.full_m          # whole experts (a tensor-parallel rank moves slices of them)
         return Trace(ids=ids, seq_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
                      num_experts=self.model.cfg.num_experts, model=self.model.cfg.model_type,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.layers.cache import Sequence
+from .grammar import FORMATS
 
 
 class FinishReason:
@@ -98,14 +99,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[0]!r}")
             self.logit_bias = bias or None
         if self.grammar is not None:
-            from .grammar import FORMATS
             g = tuple(self.grammar)
             if len(g) != 2 or g[0] not in FORMATS or not isinstance(g[1], str):
                 raise ValueError(f"grammar must be (format, text) with a format of {', '.join(FORMATS)}, got "
                                  f"{str(self.grammar)[:80]}")
             self.grammar = g
         if self.trigger is not None:
-            from .grammar import FORMATS
             t = tuple(self.trigger)
             if (len(t) != 3 or not isinstance(t[0], int) or isinstance(t[0], bool) or t[1] not in FORMATS
                     or not isinstance(t[2], str)):

@@ -6,11 +6,10 @@ import os
 from dataclasses import dataclass, field
 from cache_policy.jsonfile import read_json
 
-from .arch import ARCHITECTURES, module
+from .arch import ARCHITECTURES, language_model, module
 from .layers.router import ROUTERS
 
 SUPPORTED = tuple(ARCHITECTURES)
-LAYER_KINDS = ("full_attention", "linear_attention")   # what a layer's token mixer is (config.json layer_types)
 LINEAR_KINDS = ("kda", "gated_deltanet")
 V4_KINDS = ("sliding", "csa", "hca")       # DeepSeek-V4 layer kinds (config.json layer_types: see arch/deepseek_v4.py)   # Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5)
 
@@ -220,7 +219,6 @@ class MoEConfig:
 
     @staticmethod
     def from_dict(d: dict, source: str = "<dict>") -> "MoEConfig":
-        from .arch import language_model
         try:
             d = language_model(d)
         except ValueError as e:
@@ -281,5 +279,6 @@ class MoEConfig:
                 common.update(sliding_window=window, sliding_layers=sliding)
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (only silu / SwiGLU)")
-        return arch.config(d, common, need)
+        own = arch.config(d, common, need)     # first: an architecture may also correct common fields
+        return MoEConfig(**common, **own)
 

@@ -16,7 +16,7 @@ Expert bytes go into the store as shipped (no dequantize/requantize round trip; 
 interleaved gate/up rows are only reordered). Non-expert weights (attention, shared experts,
 dense MLPs) are dequantized at conversion into the dtype of the checkpoint's embeddings (bf16 in
 the released checkpoints). ``quantize=`` turns a float checkpoint's experts into mxfp4, int4 or
-fp8 (rounding: ``runtime/quant.py``).
+fp8 (rounding: ``runtime/weight_formats.py``).
 """
 from __future__ import annotations
 
@@ -33,35 +33,19 @@ from cache_policy.jsonfile import read_json
 
 from .arch import module
 from .config import MoEConfig
+# The tensor names the layers share with conversion live in names.py; importable from here as before.
+from .names import correction_bias_name, expert_names, linear_names, router_name  # noqa: F401
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 QUANT_METHODS = ("fp8", "compressed-tensors (pack-quantized int4)", "mxfp4")
 
 
-def expert_names(cfg: MoEConfig, layer: int, e: int) -> dict:
-    p = f"model.layers.{layer}.{cfg.mlp_prefix}experts.{e}."
-    return {role: f"{p}{t}.weight" for role, t in zip(("gate", "up", "down"), cfg.expert_tensors)}
-
-
-def router_name(cfg: MoEConfig, layer: int) -> str:
-    return f"model.layers.{layer}.{cfg.mlp_prefix}{cfg.router_tensor}"
-
-
-def correction_bias_name(cfg: MoEConfig, layer: int) -> str:
-    """The sigmoid router's selection bias (DeepSeek-V3, Kimi, GLM-4.5, MiniMax-M2)."""
-    return f"model.layers.{layer}.{cfg.mlp_prefix}{cfg.correction_bias_tensor}"
-
-
-def linear_names(cfg: MoEConfig, layer: int) -> dict:
-    """A linear-attention layer's tensors -> shape: its architecture module's table."""
-    from .arch import module
-    return module(cfg.model_type).linear_names(cfg, layer)
-
-
 def dense_names(cfg: MoEConfig) -> dict:
     """Every dense tensor the model needs -> expected shape: declared by the layers that take them
     (runtime/model/moe.py ``dense_tensors``)."""
+    # Imported here while layers/linear.py and layers/moe_block.py still take tensor names from this module
+    # (moe.py imports them: a top-level import would be circular); once they import names.py, move it up.
     from .moe import dense_tensors
     return dense_tensors(cfg)
 

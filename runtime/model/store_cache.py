@@ -17,6 +17,9 @@ import os
 import shutil
 import sys
 
+from ..store.layout import VERSION
+from . import convert as conversion   # the module: its convert is looked up at each use (tests replace it)
+
 CACHE_ENV = "TIERED_MOE_CACHE"
 SOURCE = "source.json"          # in a cached store: which checkpoint it came from, and its fingerprint
 
@@ -36,7 +39,6 @@ def is_checkpoint(path: str) -> bool:
 def fingerprint(path: str, quantize: "str | None") -> str:
     """The checkpoint's files (a Hugging Face folder is flat: its top level), the store version and the
     expert format: any change to them means another store."""
-    from ..store.layout import VERSION
     h = hashlib.sha256(json.dumps({"version": VERSION, "quantize": quantize}).encode())
     for name in sorted(os.listdir(path)):
         f = os.path.join(path, name)
@@ -82,14 +84,13 @@ def resolve_model(path: str, *, quantize: "str | None" = None, progress: bool = 
         if is_store(dest) and _source(dest).get("fingerprint") == fp:
             log(f"{path}: using its converted store {dest}")
             return dest
-        from .convert import convert
         tmp = f"{dest}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(dest, ignore_errors=True)
         log(f"{path}: converting the checkpoint into {dest} (first use{', experts as ' + quantize if quantize else ''}; "
             f"reused until its files change)")
         try:
-            convert(src, tmp, progress=progress, quantize=quantize)
+            conversion.convert(src, tmp, progress=progress, quantize=quantize)
             with open(os.path.join(tmp, SOURCE), "w") as f:
                 json.dump({"source": src, "fingerprint": fp, "quantize": quantize}, f)
             os.rename(tmp, dest)

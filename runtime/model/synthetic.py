@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..tokenizer import bytes_to_unicode
+
 
 @dataclass(frozen=True)
 class SyntheticModelSpec:
@@ -241,19 +243,6 @@ K3_FULL = K3ShapeSpec(vocab_size=163840, hidden_size=7168, latent_size=3584, exp
 # A chat template in the Jinja dialect Hugging Face checkpoints use (tokenizer_config.json).
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def bytes_to_unicode() -> dict:
-    """GPT-2's byte -> printable character table (what a byte-level BPE's vocabulary strings are written in):
-    printable bytes map to themselves, the rest to code points from 256 on."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def write_byte_tokenizer(out_dir: str, vocab_size: int) -> None:

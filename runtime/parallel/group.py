@@ -30,6 +30,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..config import RuntimeConfig
+from ..model.config import MoEConfig
+from ..proc import watch_parent
+from ..store.shared import HostShare, shm_dir
+from .shard import Shard, plan, stage_layers
+
 # Seconds a collective may wait for a peer before the group is declared broken.
 DEFAULT_TIMEOUT_S = float(os.environ.get("TIERED_MOE_GROUP_TIMEOUT", "600"))
 # An idle driver still talks to its workers this often (their wait for the next command stays short of
@@ -216,7 +222,6 @@ def _init(rank: int, world: int, local_rank: int, local_world: int, init_method:
             if s == r.stage:
                 r.pg_tp = g
         r.pipe = Pipe(r, pp)
-    from ..store.shared import HostShare, shm_dir
     token = r.broadcast(token)          # one name for the whole group (torchrun ranks each made their own)
     # The stage's ranks share their node's host tier (tensor parallelism stays inside a node).
     r.share = HostShare(path=os.path.join(shm_dir(), f"tiered-moe-host-{token}-s{r.stage}"), create=r.tp_rank == 0,
@@ -228,7 +233,6 @@ def _init(rank: int, world: int, local_rank: int, local_world: int, init_method:
 def _worker_entry(rank: int, world: int, init_method: str, token: str, cfg: dict, ready, tp: int, pp: int) -> None:
     """A spawned rank: join the group, load its slice, run the engine loop rank 0 drives."""
     code = 0
-    from ..proc import watch_parent
     watch_parent(os.getppid())    # rank 0's process gone (killed by a supervisor): end too
     try:
         ready.put(rank)                 # imported and alive: rank 0 may start the rendezvous
@@ -376,8 +380,6 @@ def open_group(group: "Group | None", cfg, progress: bool = False) -> tuple:
 
 
 def _load(rank: Rank, cfg, progress: bool):
-    from ..model.config import MoEConfig
-    from .shard import Shard, plan, stage_layers
     # Ranks share the node's cores: without --threads each takes its share (more threads than cores
     # makes every rank wait for the slowest at each all-reduce).
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE",
@@ -518,14 +520,12 @@ class Worker:
     """Ranks 1..N-1: apply rank 0's commands to this rank's engine until told to stop."""
 
     def __init__(self, rank: Rank, cfg: dict) -> None:
-        from ..config import RuntimeConfig
         self.rank, self.cfg = rank, RuntimeConfig(**cfg)
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.model = self.store = self.eng = None
 
     def run(self) -> None:
-        from ..config import RuntimeConfig
         try:
             while True:
                 cmds = self.rank.broadcast()

@@ -19,7 +19,7 @@ from cache_policy.jsonfile import read_json
 from ..quant import WeightSpec, blob_tensor_specs, encode_expert
 
 FORMAT = "tiered-moe-store"
-VERSION = 3   # 2: expert tensors stored input-major; 3: logical weights with a format each (runtime/quant.py)
+VERSION = 3   # 2: expert tensors stored input-major; 3: logical weights with a format each (runtime/weight_formats.py)
 ALIGN = 4096
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

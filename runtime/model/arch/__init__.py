@@ -1,16 +1,22 @@
 """One module per architecture (issue 12).
 
 Each module owns what is specific to its Hugging Face ``model_type``: how its ``config.json`` maps
-onto ``MoEConfig`` (``config``), which layers transformers' rules make sliding-window
+onto ``MoEConfig`` (``config``: the architecture's fields, which ``MoEConfig.from_dict`` adds to the
+fields every architecture reads), which layers transformers' rules make sliding-window
 (``sliding_layers``), and - through the config fields it sets (``mlp_prefix``, ``shared_prefix``,
 ``expert_tensors``, ``linear_layers``...) - its tensor-name table, which ``convert.dense_names`` /
 ``expert_names`` read and the forward pass never spells out per architecture. Adding an
 architecture is a module here and an entry in ``ARCHITECTURES``.
 
-Modules are imported on first use (they import ``MoEConfig``, which imports this registry)."""
+Modules are imported on first use, by ``MoEConfig.from_dict``; they import nothing of the model but
+this package (``MoEConfig`` only for annotations), so the config module and its architectures import
+in one direction."""
 from __future__ import annotations
 
 import importlib
+
+# What a layer's token mixer is (config.json ``layer_types``): the kinds ``check_layer_kinds`` accepts.
+LAYER_KINDS = ("full_attention", "linear_attention")
 
 # model_type -> module in this package
 ARCHITECTURES = {
@@ -51,7 +57,6 @@ def module(model_type: str):
 
 def check_layer_kinds(kinds: list, d: dict, source: str) -> list:
     """``layer_types`` of a hybrid model: one implemented kind per layer, else an error naming the layer."""
-    from ..config import LAYER_KINDS
     L = int(d["num_hidden_layers"])
     if len(kinds) != L:
         raise ValueError(f"{source}: layer_types has {len(kinds)} entries for {L} layers")

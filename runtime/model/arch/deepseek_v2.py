@@ -4,7 +4,6 @@ interleaved layout), a softmax router: ``topk_method`` ``greedy`` (top-k of all 
 ``group_limited_greedy`` (the best ``topk_group`` of ``n_group`` groups by their best expert, then
 top-k within them), the chosen probabilities times ``routed_scaling_factor`` (not renormalised),
 shared experts, dense first layers (``first_k_dense_replace``). No correction bias."""
-from ..config import MoEConfig
 from . import dense_intermediate
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -14,7 +13,7 @@ def sliding_layers(d: dict, L: int):
     return None
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     L, src = common["num_layers"], common["source"]
     method = d.get("topk_method") or "greedy"
     if method not in TOPK_METHODS:
@@ -40,13 +39,13 @@ def config(d: dict, common: dict, need) -> MoEConfig:
     common["head_dim"] = rope_dim
     moe_inter = int(need("moe_intermediate_size"))
     moe = [i for i in range(L) if i >= first]
-    return MoEConfig(**common, dense_intermediate=dense_intermediate(moe, L, need),
-                     expert_intermediate=moe_inter, moe_layers=moe,
-                     router="softmax_group" if method == "group_limited_greedy" else "softmax_topk",
-                     n_group=n_group, topk_group=topk_group, norm_topk_prob=False,
-                     routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                     shared_intermediate=moe_inter * int(d.get("n_shared_experts") or 0),
-                     shared_prefix="mlp.shared_experts.", attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
-                     q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
-                     qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                     v_head_dim=int(need("v_head_dim")), rope_interleave=True)
+    return dict(dense_intermediate=dense_intermediate(moe, L, need),
+                expert_intermediate=moe_inter, moe_layers=moe,
+                router="softmax_group" if method == "group_limited_greedy" else "softmax_topk",
+                n_group=n_group, topk_group=topk_group, norm_topk_prob=False,
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                shared_intermediate=moe_inter * int(d.get("n_shared_experts") or 0),
+                shared_prefix="mlp.shared_experts.", attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
+                q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
+                qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                v_head_dim=int(need("v_head_dim")), rope_interleave=True)

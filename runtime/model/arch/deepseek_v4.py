@@ -12,7 +12,6 @@ The config is read as transformers 5.24 reads it (``DeepseekV4Config.__post_init
 compress RoPE is ``compress_rope_theta`` with the flat scaling, YaRN's attention factor 1). Fields the
 reference model does not read either (``norm_topk_prob``: top-k weights are always renormalised;
 ``n_shared_experts``: one shared expert; ``num_key_value_heads``: one K=V head) are not read here."""
-from ..config import MoEConfig
 
 LAYER_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
                "heavily_compressed_attention": "hca"}
@@ -55,7 +54,7 @@ def _rope(d: dict, source: str, partial: float, theta: float, compress_theta: fl
     return float(main.get("rope_theta", theta)), float(comp.get("rope_theta", compress_theta)), scaling
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     L, source = common["num_layers"], common["source"]
     kinds = d.get("layer_types")
     if kinds is None and d.get("compress_ratios") is not None:
@@ -103,20 +102,20 @@ def config(d: dict, common: dict, need) -> MoEConfig:
     inter = int(need("moe_intermediate_size"))
     common.update(head_dim=head_dim, rope_theta=theta, rope_scaling={}, rotary_dim=0,
                   sliding_window=int(d.get("sliding_window") or 128), sliding_layers=[])
-    return MoEConfig(**common, dense_intermediate=0, expert_intermediate=inter, moe_layers=list(range(L)),
-                     router="sqrtsoftplus", norm_topk_prob=True,
-                     routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
-                     shared_intermediate=inter, shared_prefix="mlp.shared_experts.",
-                     expert_act="silu_clamp", swiglu_limit=float(d.get("swiglu_limit", 10.0)),
-                     attention="v4", q_lora_rank=int(need("q_lora_rank")), qk_rope_head_dim=rope_dim,
-                     v4_kinds=[LAYER_TYPES[k] for k in kinds],
-                     compress_rates={LAYER_TYPES[k]: int(v) for k, v in rates.items()},
-                     o_groups=int(need("o_groups")), o_lora_rank=int(need("o_lora_rank")),
-                     index_n_heads=int(d.get("index_n_heads") or 0), index_head_dim=int(d.get("index_head_dim") or 0),
-                     index_topk=int(d.get("index_topk") or 0), compress_rope_theta=ctheta,
-                     compress_rope_scaling=cscaling, hc_mult=int(d.get("hc_mult") or 4),
-                     hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters") or 20), hc_eps=float(d.get("hc_eps") or 1e-6),
-                     hash_layers=[i for i, t in enumerate(mlp) if t == "hash_moe"])
+    return dict(dense_intermediate=0, expert_intermediate=inter, moe_layers=list(range(L)),
+                router="sqrtsoftplus", norm_topk_prob=True,
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
+                shared_intermediate=inter, shared_prefix="mlp.shared_experts.",
+                expert_act="silu_clamp", swiglu_limit=float(d.get("swiglu_limit", 10.0)),
+                attention="v4", q_lora_rank=int(need("q_lora_rank")), qk_rope_head_dim=rope_dim,
+                v4_kinds=[LAYER_TYPES[k] for k in kinds],
+                compress_rates={LAYER_TYPES[k]: int(v) for k, v in rates.items()},
+                o_groups=int(need("o_groups")), o_lora_rank=int(need("o_lora_rank")),
+                index_n_heads=int(d.get("index_n_heads") or 0), index_head_dim=int(d.get("index_head_dim") or 0),
+                index_topk=int(d.get("index_topk") or 0), compress_rope_theta=ctheta,
+                compress_rope_scaling=cscaling, hc_mult=int(d.get("hc_mult") or 4),
+                hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters") or 20), hc_eps=float(d.get("hc_eps") or 1e-6),
+                hash_layers=[i for i, t in enumerate(mlp) if t == "hash_moe"])
 
 
 # Our (transformers') tensor names -> the released checkpoint's (DeepSeek's inference code; transformers'

@@ -7,10 +7,16 @@ The multi-token-prediction layers (``mtp*``) are not read.
 The interleaved RoPE needs no change to the forward pass: conversion reorders each q and k head's
 rows (channel pairs (2i, 2i+1) -> (i, i + head_dim / 2)), the same permutation on both, so the
 rotate-half RoPE on the reordered heads gives the same q.k products as transformers' interleaved one."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..config import MoEConfig
 from . import dense_intermediate
+
+if TYPE_CHECKING:           # annotations only: the config module reads this one
+    from ..config import MoEConfig
 
 NORM_MIN = 1e-12          # the renormalisation's floor the router implements (transformers' default moe_norm_min)
 
@@ -19,7 +25,7 @@ def sliding_layers(d: dict, L: int):
     return None
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     L, src = common["num_layers"], common["source"]
     if d.get("use_bias"):
         raise ValueError(f"{src}: use_bias (biases on the attention and MLP projections) is not supported for ernie4_5_moe")
@@ -37,11 +43,11 @@ def config(d: dict, common: dict, need) -> MoEConfig:
         raise ValueError(f"{src}: moe_layer_interval {every} must be positive")
     moe = [i for i in range(L) if (i + 1) % every == 0 and start <= i <= end]
     moe_inter = int(need("moe_intermediate_size"))
-    return MoEConfig(**common, dense_intermediate=dense_intermediate(moe, L, need), expert_intermediate=moe_inter,
-                     moe_layers=moe, router="softmax_bias", norm_topk_prob=True,
-                     correction_bias_tensor="moe_statics.e_score_correction_bias",
-                     shared_intermediate=moe_inter * int(d.get("moe_num_shared_experts") or 0),
-                     shared_prefix="mlp.shared_experts.")
+    return dict(dense_intermediate=dense_intermediate(moe, L, need), expert_intermediate=moe_inter,
+                moe_layers=moe, router="softmax_bias", norm_topk_prob=True,
+                correction_bias_tensor="moe_statics.e_score_correction_bias",
+                shared_intermediate=moe_inter * int(d.get("moe_num_shared_experts") or 0),
+                shared_prefix="mlp.shared_experts.")
 
 
 def deinterleave_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

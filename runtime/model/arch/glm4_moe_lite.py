@@ -3,7 +3,6 @@ RoPE unless ``rope_interleave`` is false) with GLM-4.5's MoE (sigmoid router wit
 group-limited top-k, routed scaling, shared experts); which layers are dense comes from
 ``mlp_layer_types`` (transformers' default: the first). The multi-token-prediction layer stored
 after the last layer is not read."""
-from ..config import MoEConfig
 from . import dense_intermediate
 
 
@@ -11,7 +10,7 @@ def sliding_layers(d: dict, L: int):
     return None
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     L, src = common["num_layers"], common["source"]
     kinds = d.get("mlp_layer_types")
     if kinds is None:
@@ -29,12 +28,12 @@ def config(d: dict, common: dict, need) -> MoEConfig:
     rope_dim = int(need("qk_rope_head_dim"))
     common["head_dim"] = rope_dim
     moe_inter = int(need("moe_intermediate_size"))
-    return MoEConfig(**common, dense_intermediate=dense_intermediate(moe, L, need), expert_intermediate=moe_inter,
-                     moe_layers=moe, router="sigmoid_group", n_group=int(d.get("n_group") or 1),
-                     topk_group=int(d.get("topk_group") or 1), norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                     routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                     shared_intermediate=moe_inter * int(d.get("n_shared_experts") or 0),
-                     shared_prefix="mlp.shared_experts.", attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
-                     q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
-                     qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                     v_head_dim=int(need("v_head_dim")), rope_interleave=bool(d.get("rope_interleave", True)))
+    return dict(dense_intermediate=dense_intermediate(moe, L, need), expert_intermediate=moe_inter,
+                moe_layers=moe, router="sigmoid_group", n_group=int(d.get("n_group") or 1),
+                topk_group=int(d.get("topk_group") or 1), norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                shared_intermediate=moe_inter * int(d.get("n_shared_experts") or 0),
+                shared_prefix="mlp.shared_experts.", attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
+                q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
+                qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                v_head_dim=int(need("v_head_dim")), rope_interleave=bool(d.get("rope_interleave", True)))

@@ -1,15 +1,21 @@
 """Kimi-Linear (``kimi_linear``, moonshotai/Kimi-Linear-48B-A3B): Kimi Delta Attention layers and MLA
 layers without RoPE (3:1), DeepSeek-V3's MoE (sigmoid router with a correction bias, group-limited
 top-k, shared experts) under ``block_sparse_moe`` with experts as ``experts.N.w1/w3/w2``."""
-from ..config import MoEConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from . import check_layer_kinds
+
+if TYPE_CHECKING:           # annotations only: the config module reads this one
+    from ..config import MoEConfig
 
 
 def sliding_layers(d: dict, L: int):
     return None
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     """Layer kinds come from ``layer_types`` (transformers) or the released checkpoint's
     ``linear_attn_config`` (1-indexed ``kda_layers`` / ``full_attn_layers``)."""
     L, source = common["num_layers"], common["source"]
@@ -40,23 +46,23 @@ def config(d: dict, common: dict, need) -> MoEConfig:
     common["head_dim"] = rope_dim
     moe_inter = int(need("moe_intermediate_size"))
     shared = int(d.get("num_shared_experts", d.get("n_shared_experts")) or 0)
-    return MoEConfig(**common, dense_intermediate=int(need("intermediate_size")), expert_intermediate=moe_inter,
-                     moe_layers=[i for i, t in enumerate(mlp) if t == "sparse"], router="sigmoid_group",
-                     n_group=int(d.get("num_expert_group", d.get("n_group")) or 1), topk_group=int(d.get("topk_group") or 1),
-                     norm_topk_prob=bool(d.get("moe_renormalize", d.get("norm_topk_prob", True))),
-                     routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                     shared_intermediate=moe_inter * shared, shared_prefix="block_sparse_moe.shared_experts.",
-                     mlp_prefix="block_sparse_moe.", expert_tensors=("w1", "w3", "w2"), attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
-                     q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
-                     qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                     v_head_dim=int(need("v_head_dim")), mla_rope=False,
-                     # tiered-moe extensions for the K3-shaped synthetic checkpoint (synthetic.py):
-                     latent_dim=int(d.get("moe_latent_size") or 0),
-                     attn_res_block_layers=int(d.get("attn_res_block_layers") or 0),
-                     linear_layers=[i for i, k in enumerate(kinds) if k == "linear_attention"],
-                     linear_num_heads=int(lac.get("num_heads") or d.get("linear_num_heads") or 0),
-                     linear_head_dim=int(lac.get("head_dim") or d.get("linear_head_dim") or 0),
-                     linear_conv_kernel=int(lac.get("short_conv_kernel_size") or d.get("linear_conv_kernel_dim") or 4))
+    return dict(dense_intermediate=int(need("intermediate_size")), expert_intermediate=moe_inter,
+                moe_layers=[i for i, t in enumerate(mlp) if t == "sparse"], router="sigmoid_group",
+                n_group=int(d.get("num_expert_group", d.get("n_group")) or 1), topk_group=int(d.get("topk_group") or 1),
+                norm_topk_prob=bool(d.get("moe_renormalize", d.get("norm_topk_prob", True))),
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                shared_intermediate=moe_inter * shared, shared_prefix="block_sparse_moe.shared_experts.",
+                mlp_prefix="block_sparse_moe.", expert_tensors=("w1", "w3", "w2"), attention="mla", qkv_bias=bool(d.get("attention_bias", False)),
+                q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
+                qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                v_head_dim=int(need("v_head_dim")), mla_rope=False,
+                # tiered-moe extensions for the K3-shaped synthetic checkpoint (synthetic.py):
+                latent_dim=int(d.get("moe_latent_size") or 0),
+                attn_res_block_layers=int(d.get("attn_res_block_layers") or 0),
+                linear_layers=[i for i, k in enumerate(kinds) if k == "linear_attention"],
+                linear_num_heads=int(lac.get("num_heads") or d.get("linear_num_heads") or 0),
+                linear_head_dim=int(lac.get("head_dim") or d.get("linear_head_dim") or 0),
+                linear_conv_kernel=int(lac.get("short_conv_kernel_size") or d.get("linear_conv_kernel_dim") or 4))
 
 
 def linear_names(cfg: MoEConfig, layer: int) -> dict:

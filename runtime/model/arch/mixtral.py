@@ -1,7 +1,6 @@
 """Mixtral (``mixtral``): GQA with RoPE, softmax -> top-k -> renormalise, every layer MoE, experts as
 ``block_sparse_moe.experts.N.w1/w3/w2``. tiered-moe extension: ``moe_latent_size`` puts a
 LatentMoE projection (Kimi K3) around the experts, which then run in the latent space."""
-from ..config import MoEConfig
 from . import typed_sliding
 
 
@@ -10,9 +9,9 @@ def sliding_layers(d: dict, L: int):
     return list(range(L)) if s is None else s        # sliding_window applies to every layer
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     inter = int(need("intermediate_size"))
-    return MoEConfig(**common, dense_intermediate=inter, expert_intermediate=inter,
-                     moe_layers=list(range(common["num_layers"])), router="softmax_topk", norm_topk_prob=True,
-                     latent_dim=int(d.get("moe_latent_size") or 0), mlp_prefix="block_sparse_moe.",
-                     expert_tensors=("w1", "w3", "w2"))
+    return dict(dense_intermediate=inter, expert_intermediate=inter,
+                moe_layers=list(range(common["num_layers"])), router="softmax_topk", norm_topk_prob=True,
+                latent_dim=int(d.get("moe_latent_size") or 0), mlp_prefix="block_sparse_moe.",
+                expert_tensors=("w1", "w3", "w2"))

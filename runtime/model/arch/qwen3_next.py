@@ -8,8 +8,14 @@ of each head. Every RMSNorm but the DeltaNet's gated one scales by (1 + weight).
 layers live under ``linear_attn.``: Qwen3-Next fuses their projections per key head
 (``in_proj_qkvz`` / ``in_proj_ba``), Qwen3.5 keeps them flat (``in_proj_qkv`` / ``in_proj_z`` /
 ``in_proj_b`` / ``in_proj_a``)."""
-from ..config import MoEConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from . import check_layer_kinds, dense_intermediate
+
+if TYPE_CHECKING:           # annotations only: the config module reads this one
+    from ..config import MoEConfig
 
 PARTIAL_ROTARY = True
 
@@ -31,7 +37,7 @@ def sliding_layers(d: dict, L: int):
     return None
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     L, source = common["num_layers"], common["source"]
     kinds = d.get("layer_types")
     if kinds is None:   # transformers' default: every full_attention_interval-th layer is full attention
@@ -46,16 +52,16 @@ def config(d: dict, common: dict, need) -> MoEConfig:
     shared = int(d.get("shared_expert_intermediate_size") or 0)
     # Qwen3.5's router always renormalises the top-k weights (it has no norm_topk_prob).
     renorm = True if d["model_type"] == "qwen3_5_moe_text" else bool(d.get("norm_topk_prob", True))
-    return MoEConfig(**common, dense_intermediate=dense_intermediate(moe, L, need),
-                     expert_intermediate=int(need("moe_intermediate_size")), moe_layers=moe, norm_topk_prob=renorm,
-                     qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head",
-                     shared_intermediate=shared, shared_expert_gate=bool(shared), attn_output_gate=True, norm_offset=1.0,
-                     linear_layers=[i for i, k in enumerate(kinds) if k == "linear_attention"],
-                     linear_kind="gated_deltanet", linear_prefix="linear_attn.",
-                     linear_num_heads=int(need("linear_num_key_heads")), linear_head_dim=int(need("linear_key_head_dim")),
-                     linear_num_v_heads=int(need("linear_num_value_heads")),
-                     linear_value_head_dim=int(need("linear_value_head_dim")),
-                     linear_conv_kernel=int(d.get("linear_conv_kernel_dim") or 4))
+    return dict(dense_intermediate=dense_intermediate(moe, L, need),
+                expert_intermediate=int(need("moe_intermediate_size")), moe_layers=moe, norm_topk_prob=renorm,
+                qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head",
+                shared_intermediate=shared, shared_expert_gate=bool(shared), attn_output_gate=True, norm_offset=1.0,
+                linear_layers=[i for i, k in enumerate(kinds) if k == "linear_attention"],
+                linear_kind="gated_deltanet", linear_prefix="linear_attn.",
+                linear_num_heads=int(need("linear_num_key_heads")), linear_head_dim=int(need("linear_key_head_dim")),
+                linear_num_v_heads=int(need("linear_num_value_heads")),
+                linear_value_head_dim=int(need("linear_value_head_dim")),
+                linear_conv_kernel=int(d.get("linear_conv_kernel_dim") or 4))
 
 
 def linear_names(cfg: MoEConfig, layer: int) -> dict:

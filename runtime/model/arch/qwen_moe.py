@@ -1,7 +1,6 @@
 """Qwen2-MoE (``qwen2_moe``: qkv bias, shared expert with a sigmoid gate) and Qwen3-MoE
 (``qwen3_moe``: per-head q/k RMSNorm). Softmax -> top-k (optional renorm); MoE every
 ``decoder_sparse_step`` layers except ``mlp_only_layers``."""
-from ..config import MoEConfig
 from . import typed_sliding
 
 
@@ -16,7 +15,7 @@ def sliding_layers(d: dict, L: int):
     return list(range(L))
 
 
-def config(d: dict, common: dict, need) -> MoEConfig:
+def config(d: dict, common: dict, need) -> dict:
     L, E = common["num_layers"], common["num_experts"]
     step = int(d.get("decoder_sparse_step", 1))
     only = set(d.get("mlp_only_layers") or [])
@@ -24,7 +23,7 @@ def config(d: dict, common: dict, need) -> MoEConfig:
     kw = dict(dense_intermediate=int(need("intermediate_size")), expert_intermediate=int(need("moe_intermediate_size")),
               moe_layers=moe, norm_topk_prob=bool(d.get("norm_topk_prob", False)))
     if d["model_type"] == "qwen2_moe":
-        return MoEConfig(**common, **kw, qkv_bias=bool(d.get("qkv_bias", True)),
-                         shared_intermediate=int(d.get("shared_expert_intermediate_size") or 0),
-                         shared_expert_gate=bool(d.get("shared_expert_intermediate_size")))
-    return MoEConfig(**common, **kw, qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head")
+        return dict(**kw, qkv_bias=bool(d.get("qkv_bias", True)),
+                    shared_intermediate=int(d.get("shared_expert_intermediate_size") or 0),
+                    shared_expert_gate=bool(d.get("shared_expert_intermediate_size")))
+    return dict(**kw, qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head")
