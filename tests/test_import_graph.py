@@ -12,15 +12,15 @@ The walker reads the source with ``ast`` (nothing is imported), so it sees the c
 - importing a module also runs the ``__init__`` of each package above it, so those count too - except the
   packages above the importing module itself: they are already initialised when it runs (a package's
   ``__init__`` importing its own submodules is fine while they do not import the package back);
-- imports under ``if TYPE_CHECKING:`` never run, so they make no edge.
+- imports under ``if TYPE_CHECKING:`` never run, so they make no edge;
+- ``importlib.import_module`` is not read (runtime/model/arch loads its architecture modules by name; they
+  import only their package, so that registry closes no circle).
 """
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runtime", "cache_policy")
