@@ -1,6 +1,18 @@
+import os
+
 import pytest
 
 from helpers import shared_trace
+
+
+def pytest_sessionstart(session):
+    """TIERED_MOE_REQUIRE_HOST_KERNELS=1 (CI: gcc and an AVX2 CPU are there): host kernels that do not load
+    stop the run, saying why, rather than every kernel test module skipping on its own."""
+    if os.environ.get("TIERED_MOE_REQUIRE_HOST_KERNELS") == "1":
+        from runtime import kernels
+        if kernels.lib() is None:
+            pytest.exit(f"TIERED_MOE_REQUIRE_HOST_KERNELS=1 but the host kernels are unavailable: "
+                        f"{kernels.unavailable()}", returncode=1)
 
 
 @pytest.fixture(scope="session")

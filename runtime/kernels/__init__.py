@@ -18,7 +18,18 @@ Instruction sets: AVX2 + FMA + F16C is the base build; on a CPU with AVX-512 (F,
 loop runs 16 floats wide, and with AVX512-VNNI the 8-bit-activation path (``--host-act-quant q8``)
 multiplies 64 nibble codes by 64 activation bytes in one instruction, as llama.cpp does on such CPUs.
 ``TIERED_MOE_HOST_ISA=avx2`` forces the base build (tests run both where the CPU has both);
-``isa()`` names the one loaded."""
+``isa()`` names the one loaded.
+
+The C trusts nothing it is handed: every entry point checks its sizes, and every index it follows (an
+expert's rows, a gathered token, a combine's row, a position, a cache slot) against the capacities
+the caller passes in its argument struct, before any work, and returns a negative code; the ctypes
+wrappers here raise ``KernelError`` naming the entry point and the code. Callers fill a fresh argument
+struct per call (from a template, ``Structure.from_buffer_copy``) and take their scratch from a
+per-thread pool (``scratch``), so two threads calling one layer do not share either.
+
+``TIERED_MOE_KERNEL_SANITIZE=1`` builds (and caches apart) an AddressSanitizer + UBSan library for
+tests/kernels_sanitize.sh; python must then run with ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``,
+as an instrumented library cannot load into an uninstrumented process otherwise."""
 from __future__ import annotations
 
 import ctypes
@@ -33,6 +44,10 @@ import threading
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_cpu.c")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-mavx2", "-mfma", "-mf16c"]
 NEEDS = ("avx2", "fma", "f16c")
+# TIERED_MOE_KERNEL_SANITIZE=1: -O1 and frame pointers for readable reports; no recovery, so the first
+# UB report aborts the run (tests/kernels_sanitize.sh fails on it).
+SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+ABI_VERSION = 3          # moe_cpu.c tm_version(): a library of another ABI is refused, not called
 # Wider builds: (name, /proc/cpuinfo flags it needs, compiler flags), widest first.
 ISAS = (("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
          ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]),
@@ -43,7 +58,17 @@ ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512-vnni"}
 # Formats and scale dtypes as the C enums number them.
 FMT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "mxfp4": 3, "int4": 4, "fp8_e4m3": 5, "int8": 6}
 SCALE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+# Error codes as moe_cpu.c's TM_E_* enum numbers them (tm_strerror gives the text).
+E_LAYOUT, E_GROUP, E_FP8, E_ARG, E_NULL, E_ROWS, E_TOK, E_BACK, E_SCRATCH, E_POS, E_SLOT, E_NOMEM = \
+    -1, -2, -3, -5, -6, -7, -8, -9, -10, -11, -12, -13
 
+
+class KernelError(RuntimeError):
+    """A host kernel refused its arguments: ``entry`` (the C function) and ``code`` (an E_* value)."""
+
+    def __init__(self, entry: str, code: int, why: str) -> None:
+        super().__init__(f"{entry} refused its arguments (code {code}: {why})")
+        self.entry, self.code = entry, code
 
 
 class MoEArgs(ctypes.Structure):
@@ -57,7 +82,10 @@ class MoEArgs(ctypes.Structure):
                 ("q8", ctypes.c_int32), ("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p),
                 ("tok", ctypes.c_void_p), ("xin", ctypes.c_void_p), ("back", ctypes.c_void_p),
                 ("wts", ctypes.c_void_p), ("out", ctypes.c_void_p), ("T", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("out_add", ctypes.c_int32)]
+                ("out_add", ctypes.c_int32),
+                # capacities the C checks the indices against: rows of x / y (and tok), of the scratch
+                # h / xq / xd, and of xin
+                ("n_rows", ctypes.c_int64), ("scratch_rows", ctypes.c_int64), ("n_in", ctypes.c_int64)]
 
 
 class LinArgs(ctypes.Structure):
@@ -65,11 +93,31 @@ class LinArgs(ctypes.Structure):
     _fields_ = [("fmt", ctypes.c_int32), ("sfmt", ctypes.c_int32), ("group", ctypes.c_int32), ("q8", ctypes.c_int32),
                 ("nthreads", ctypes.c_int32), ("n", ctypes.c_int64), ("K", ctypes.c_int64), ("N", ctypes.c_int64),
                 ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("W", ctypes.c_void_p), ("S", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p),
+                ("xq_rows", ctypes.c_int64)]        # rows the q8 scratch xq / xd holds
 
 
 _lock = threading.Lock()
 _state: dict = {}
+_tls = threading.local()
+
+
+def scratch(name: str, numel: int, dtype=None) -> int:
+    """The address of this thread's scratch buffer ``name`` of at least ``numel`` elements (grown, never
+    shrunk): a kernel's working rows, used only inside one call, so one per thread serves every layer
+    and two threads never share one. (Hot: every kernel call; a dict hit and a compare.)"""
+    try:
+        t, cap, ptr = _tls.bufs[name]
+        if cap >= numel:
+            return ptr
+    except AttributeError:
+        _tls.bufs = {}
+    except KeyError:
+        pass
+    import torch
+    t = torch.empty(max(int(numel), 1), dtype=dtype or torch.float32)
+    _tls.bufs[name] = (t, t.numel(), t.data_ptr())
+    return t.data_ptr()
 
 
 def _cpu_flags() -> set:
@@ -106,10 +154,15 @@ def pick_isa(flags: set, want: "str | None" = None) -> list:
     return out
 
 
+def _sanitize() -> bool:
+    return os.environ.get("TIERED_MOE_KERNEL_SANITIZE", "0") == "1"
+
+
 def _build(cc: str, flags: set, extra: list) -> str:
     """Compile moe_cpu.c unless a build of this source, these flags and this CPU is cached; the path."""
     with open(SRC, "rb") as f:
         src = f.read()
+    extra = extra + (SANITIZE_FLAGS if _sanitize() else [])     # after FLAGS: its -O1 wins
     key = hashlib.sha256(src + " ".join([cc] + FLAGS + extra + sorted(flags & set(NEEDS))).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     path = os.path.join(out_dir, f"moe_cpu-{key}.so")
@@ -141,6 +194,10 @@ def _load():
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         return None, "no C compiler (gcc or cc) on PATH"
+    if _sanitize() and "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        # loading it anyway would abort the process ("ASan runtime does not come first")
+        return None, ("TIERED_MOE_KERNEL_SANITIZE=1 needs the ASan runtime preloaded: "
+                      "LD_PRELOAD=$(gcc -print-file-name=libasan.so)")
     try:
         builds = pick_isa(flags, os.environ.get("TIERED_MOE_HOST_ISA") or None)
     except ValueError as e:
@@ -154,6 +211,9 @@ def _load():
             errors.append(f"{isa}: {e}")
     else:
         return None, "\n".join(errors)
+    lib.tm_version.restype = ctypes.c_int
+    if lib.tm_version() != ABI_VERSION:
+        return None, f"kernel library of ABI {lib.tm_version()}, this runtime speaks {ABI_VERSION}"
     lib.tm_isa.restype = ctypes.c_int
     lib.tm_set_spin_us.argtypes = [ctypes.c_int64]
     lib.tm_set_spin_us(int(os.environ.get("TIERED_MOE_SPIN_US", "2000")))
@@ -161,6 +221,8 @@ def _load():
     lib.tm_q8_ldd.restype = ctypes.c_int64
     if ISA_NAMES[lib.tm_isa()] != isa:   # the compiler ignored a flag: say so rather than mislabel
         return None, f"{cc} built {ISA_NAMES[lib.tm_isa()]} code for the {isa} flags"
+    lib.tm_strerror.argtypes = [ctypes.c_int]
+    lib.tm_strerror.restype = ctypes.c_char_p
     lib.tm_moe.argtypes = [ctypes.POINTER(MoEArgs)]
     lib.tm_moe.restype = ctypes.c_int
     lib.tm_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -177,7 +239,19 @@ def _load():
     lib.tm_gqa_decode.argtypes = [P, I64, P, I64, P, P, I64, P, P, P, P, I64, P, I64, I64, I64, I64, ctypes.c_float,
                                   P, P, ctypes.c_int32]
     lib.tm_gqa_decode.restype = ctypes.c_int
+    # Every caller raises on a refusal, named (tm_attn_block's caller, layers/fused.py, checks its code
+    # itself to name the layer).
+    for entry in ("tm_moe", "tm_linear_bf16", "tm_linear_q", "tm_rms_norm", "tm_gqa_decode"):
+        getattr(lib, entry).errcheck = _refused(lib, entry)
     return lib, None
+
+
+def _refused(lib, entry: str):
+    def check(rc, func, args):
+        if rc:
+            raise KernelError(entry, rc, lib.tm_strerror(rc).decode())
+        return rc
+    return check
 
 
 def lib():

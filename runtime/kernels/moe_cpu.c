@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -63,9 +64,57 @@ typedef struct {
     float *out;
     int64_t T, k;
     int32_t out_add;      /* out += the weighted sum instead of out = (the residual stream, in place) */
+    /* What the buffers hold, as the caller allocated them: checked against row0 / rows / tok / back
+     * before any work, so a bad index is an error code rather than a write past a buffer. */
+    int64_t n_rows;       /* rows of x and y (and entries of tok, when given) */
+    int64_t scratch_rows; /* rows of h (and of xq / xd with q8) */
+    int64_t n_in;         /* rows of xin (gather): every tok < n_in */
 } tm_moe_t;
 
-int tm_version(void) { return 2; }
+/* The ABI's version: runtime/kernels/__init__.py refuses a library of another one (the cache key is the
+ * source, so only a library from elsewhere can be stale). 3: capacities in tm_moe_t / tm_lin_t /
+ * tm_layer_t / tm_step_t, and error codes from every entry point. */
+int tm_version(void) { return 3; }
+
+/* Error codes of the exported entry points, all checked before any work (O(experts + rows + keys),
+ * never per element). runtime/kernels/__init__.py mirrors the numbers and raises KernelError naming the
+ * entry point and the code with tm_strerror's text. */
+enum {
+    TM_E_LAYOUT = -1,     /* sizes or a layout this kernel does not take */
+    TM_E_GROUP = -2,      /* int4 / int8 scale group not a positive multiple of 32 */
+    TM_E_FP8 = -3,        /* fp8 scale tile or sizes not multiples of 8 */
+    TM_E_ARG = -5,        /* a negative or zero size, an unknown format / activation / router code */
+    TM_E_NULL = -6,       /* a buffer or weight the call needs is NULL */
+    TM_E_ROWS = -7,       /* an expert's rows (row0, rows) outside the row buffers */
+    TM_E_TOK = -8,        /* tok: a gathered row's token outside xin */
+    TM_E_BACK = -9,       /* back: a (token, slot)'s row outside the rows the call computes */
+    TM_E_SCRATCH = -10,   /* a scratch buffer smaller than the call needs */
+    TM_E_POS = -11,       /* pos: a sequence's position outside its row of read slots */
+    TM_E_SLOT = -12,      /* write / read: a slot outside the KV cache */
+    TM_E_NOMEM = -13,     /* malloc failed */
+};
+
+const char *tm_strerror(int code) {
+    switch (code) {
+        case 0: return "ok";
+        case TM_E_LAYOUT: return "sizes or a layout the kernel does not take";
+        case TM_E_GROUP: return "scale group not a positive multiple of 32";
+        case TM_E_FP8: return "fp8 scale tile or sizes not multiples of 8";
+        case TM_E_ARG: return "a negative or zero size, or an unknown format / activation / router";
+        case TM_E_NULL: return "a buffer or weight the call needs is NULL";
+        case TM_E_ROWS: return "an expert's rows (row0, rows) run outside the row buffers";
+        case TM_E_TOK: return "a gathered row's token (tok) outside the input rows";
+        case TM_E_BACK: return "a (token, slot)'s row (back) outside the rows computed";
+        case TM_E_SCRATCH: return "a scratch buffer smaller than the call needs";
+        case TM_E_POS: return "a position (pos) outside the sequence's read slots";
+        case TM_E_SLOT: return "a write / read slot outside the KV cache";
+        case TM_E_NOMEM: return "out of memory";
+        default: return "unknown code";
+    }
+}
+
+/* 0 <= lo, 0 <= n and lo + n <= cap, without overflow */
+static inline int in_range(int64_t lo, int64_t n, int64_t cap) { return lo >= 0 && n >= 0 && lo <= cap - n; }
 
 /* ---- the thread pool ----------------------------------------------------------------------------------
  * Decode runs ~20 parallel kernels per layer-step of a few to a hundred microseconds each, with Python
@@ -140,12 +189,14 @@ static void pool_after_fork(void) {      /* a forked child has no workers: start
     atomic_store(&P.ready, 0);
 }
 
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void pool_at_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
 static void pool_run(tm_fn fn, void *arg, int nth) {
     tm_bar bar = {0, 0, 1};
     if (nth > TM_MAX_THREADS) nth = TM_MAX_THREADS;
     if (nth <= 1 || pthread_mutex_trylock(&P.run_mu) != 0) { fn(arg, 0, 1, &bar); return; }
-    static int at_fork;
-    if (!at_fork) { at_fork = 1; pthread_atfork(NULL, NULL, pool_after_fork); }
+    pthread_once(&fork_once, pool_at_fork);
     while (P.started < nth - 1) {
         pthread_t t;
         pthread_attr_t at;
@@ -190,6 +241,16 @@ void tm_set_spin_us(int64_t us) { P.spin_ns = us < 0 ? 0 : us * 1000; }
 #endif
 int tm_isa(void) { return 1 + TM_AVX512 + TM_VNNI; }   /* 1 avx2, 2 avx512, 3 avx512 + vnni */
 
+/* 1 in the AddressSanitizer build (TIERED_MOE_KERNEL_SANITIZE=1): tests/kernels_sanitize.sh asserts its
+ * tests ran on it, not on a normal library. */
+int tm_sanitized(void) {
+#ifdef __SANITIZE_ADDRESS__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* q8 scratch per activation row of K values: K code bytes (ldq), and ``tm_q8_ldd(K)`` 32-bit words of
  * scales. AVX2: one float per 32. VNNI: per quad of 32-chunks a 16-float scale vector and a 16-int32
  * offset correction laid out as the vpdpbusd lanes use them, plus 16 words for each of up to three
@@ -219,11 +280,14 @@ static inline float hsum(__m256 v) {
 }
 
 static float E8M0[256];           /* E8M0 byte -> 2^(s - 127) / 2 (the code table is doubled) */
-static void init_tables(void) {
-    if (E8M0[1] != 0.0f) return;
+static void build_tables(void) {
     for (int s = 0; s < 255; s++) E8M0[s] = ldexpf(1.0f, s - 128);
     E8M0[255] = NAN;
 }
+/* Once per process, whichever thread calls first: two Python threads entering tm_moe together must not
+ * see a half-built table (pthread_once also orders the writes before every reader). */
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+static void init_tables(void) { pthread_once(&tables_once, build_tables); }
 
 /* 32 nibble codes (16 bytes, element 2j in the low nibble of byte j) -> 4 x 8 floats, by the int8
  * table ``lut`` (int4: q - 8; mxfp4: twice the E2M1 value, so every entry is an integer). */
@@ -508,12 +572,10 @@ static void row_scales(const void *srow, int sfmt, int group, int mx, int nc, fl
     for (; c < nc; c++) sw[c] = scale_at(srow, sfmt, per == 1 ? c : c / per);
 }
 
-#define TM_Q8_MAX_CHUNKS 4096      /* K up to 131072 on the q8 path (a row's scales on the stack) */
-
 /* RW weight rows (1 or 2: two independent chains, the activation loads shared) of K codes, scales
- * sw[RW][nc], against R q8 rows: four chunks per pair of vpdpbusd. MX: mxfp4 codes through the table. */
+ * sw[RW][lds], against R q8 rows: four chunks per pair of vpdpbusd. MX: mxfp4 codes through the table. */
 static inline __attribute__((always_inline)) void nib_rows_q8v(const int RW, const int R, const int MX,
-        const uint8_t *wrow, long ldw, const float *sw, int K, __m512i lut, const int8_t *xq, const float *xd,
+        const uint8_t *wrow, long ldw, const float *sw, long lds, int K, __m512i lut, const int8_t *xq, const float *xd,
         long ldq, long ldd, float *out, long ldo) {
     const int nc = K / 32, nquad = nc / 4;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -530,7 +592,7 @@ static inline __attribute__((always_inline)) void nib_rows_q8v(const int RW, con
             lo[i] = _mm512_and_si512(b, m4);
             hi[i] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
             if (MX) { lo[i] = _mm512_shuffle_epi8(lut, lo[i]); hi[i] = _mm512_shuffle_epi8(lut, hi[i]); }
-            swv[i] = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sw + i * TM_Q8_MAX_CHUNKS + 4 * g)));
+            swv[i] = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sw + i * lds + 4 * g)));
         }
         for (int r = 0; r < R; r++) {
             const float *e = xd + r * ldd + 32 * g;
@@ -555,7 +617,7 @@ static inline __attribute__((always_inline)) void nib_rows_q8v(const int RW, con
                 const float *t = xd + r * ldd + 32 * nquad + 16 * j;
                 __m256i dot = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)t), w,
                                                   _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 128 * nquad + 32 * j)));
-                tail[i][r] += hsum(_mm256_cvtepi32_ps(dot)) * (sw[i * TM_Q8_MAX_CHUNKS + c] * t[8]);
+                tail[i][r] += hsum(_mm256_cvtepi32_ps(dot)) * (sw[i * lds + c] * t[8]);
             }
         }
     }
@@ -565,7 +627,7 @@ static inline __attribute__((always_inline)) void nib_rows_q8v(const int RW, con
 
 /* int8 weight rows (natural order) against q8 rows: two chunks per vpdpbusd, the codes made unsigned
  * by flipping their sign bit (q + 128; the correction's bias is 128). */
-static inline AI void i8_rows_q8v(const int RW, const int R, const int8_t *wrow, long ldw, const float *sw, int K,
+static inline AI void i8_rows_q8v(const int RW, const int R, const int8_t *wrow, long ldw, const float *sw, long lds, int K,
         const int8_t *xq, const float *xd, long ldq, long ldd, float *out, long ldo) {
     const int nc = K / 32, npair = nc / 2;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -579,8 +641,9 @@ static inline AI void i8_rows_q8v(const int RW, const int R, const int8_t *wrow,
         for (int i = 0; i < RW; i++) {
             PF(wrow + i * ldw + 64 * p);
             w[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wrow + i * ldw + 64 * p)), flip);
-            swv[i] = _mm512_permutexvar_ps(sidx, _mm512_castpd_ps(_mm512_castpd128_pd512(
-                _mm_load_sd((const double *)(sw + i * TM_Q8_MAX_CHUNKS + 2 * p)))));
+            /* the pair's two scales as one 64-bit lane (movq: no alignment asked of sw) */
+            swv[i] = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_castsi128_ps(
+                _mm_loadl_epi64((const __m128i *)(sw + i * lds + 2 * p)))));
         }
         for (int r = 0; r < R; r++) {
             const float *e = xd + r * ldd + 32 * p;
@@ -601,36 +664,37 @@ static inline AI void i8_rows_q8v(const int RW, const int R, const int8_t *wrow,
                 const float *t = xd + r * ldd + 32 * npair;
                 __m256i dot = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)t), w,
                                                   _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * npair)));
-                tail[i][r] = hsum(_mm256_cvtepi32_ps(dot)) * (sw[i * TM_Q8_MAX_CHUNKS + nc - 1] * t[8]);
+                tail[i][r] = hsum(_mm256_cvtepi32_ps(dot)) * (sw[i * lds + nc - 1] * t[8]);
             }
         }
     for (int i = 0; i < RW; i++)
         for (int r = 0; r < R; r++) out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + tail[i][r];
 }
 
-/* quant_proj's q8 path on VNNI: output rows in pairs, token rows in groups of up to 4. */
+/* quant_proj's q8 path on VNNI: output rows in pairs, token rows in groups of up to 4. sw: this thread's
+ * scratch for two weight rows' scales, [2, lds] (lds >= K / 32), from the caller's heap (a stack array
+ * sized for the largest K was 32 KB in every worker). */
 static void quant_proj_q8v(const tm_moe_t *a, const void *W, const void *S, int K, long o0, long o1,
-                           const int8_t *xq, const float *xd, long nrows, float *y, long ldy) {
+                           const int8_t *xq, const float *xd, long nrows, float *y, long ldy, float *sw, long lds) {
     const int i8 = a->fmt == F_INT8;
     const long ldq = a->H_in > a->I ? a->H_in : a->I, ldd = tm_q8_ldd(ldq), ldw = i8 ? K : K / 2;
     const int mx = a->fmt == F_MXFP4, group = mx ? 32 : a->group;
     const long ng = K / group, ssz = mx ? 1 : (a->sfmt == S_F32 ? 4 : 2);
     /* unsigned codes for vpdpbusd: mxfp4 twice E2M1 + 12 (int4's stored q needs no table) */
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-    float sw[2 * TM_Q8_MAX_CHUNKS];
     for (long o = o0; o < o1; o += 2) {
         const int RW = o + 1 < o1 ? 2 : 1;
         for (int i = 0; i < RW; i++)
-            row_scales((const char *)S + (o + i) * ng * ssz, a->sfmt, group, mx, K / 32, sw + i * TM_Q8_MAX_CHUNKS);
+            row_scales((const char *)S + (o + i) * ng * ssz, a->sfmt, group, mx, K / 32, sw + i * lds);
         const uint8_t *wrow = (const uint8_t *)W + o * ldw;
         for (long r = 0; r < nrows;) {
             const long R = nrows - r >= 4 ? 4 : nrows - r;
             const int8_t *qr = xq + r * ldq;
             const float *dr = xd + r * ldd;
             float *yr = y + r * ldy + o;
-#define Q8V_CALL(rw, rr) do { if (i8) i8_rows_q8v(rw, rr, (const int8_t *)wrow, ldw, sw, K, qr, dr, ldq, ldd, yr, ldy); \
-                              else if (mx) nib_rows_q8v(rw, rr, 1, wrow, ldw, sw, K, lut, qr, dr, ldq, ldd, yr, ldy); \
-                              else nib_rows_q8v(rw, rr, 0, wrow, ldw, sw, K, lut, qr, dr, ldq, ldd, yr, ldy); } while (0)
+#define Q8V_CALL(rw, rr) do { if (i8) i8_rows_q8v(rw, rr, (const int8_t *)wrow, ldw, sw, lds, K, qr, dr, ldq, ldd, yr, ldy); \
+                              else if (mx) nib_rows_q8v(rw, rr, 1, wrow, ldw, sw, lds, K, lut, qr, dr, ldq, ldd, yr, ldy); \
+                              else nib_rows_q8v(rw, rr, 0, wrow, ldw, sw, lds, K, lut, qr, dr, ldq, ldd, yr, ldy); } while (0)
             if (RW == 2) {
                 switch (R) { case 4: Q8V_CALL(2, 4); break; case 3: Q8V_CALL(2, 3); break;
                              case 2: Q8V_CALL(2, 2); break; default: Q8V_CALL(2, 1); }
@@ -755,9 +819,11 @@ static inline AI void i8_row_q8(const int R, const int8_t *wrow, const void *sro
 #endif
 
 /* y[r, o] = x[r] . w_o for o in [o0, o1) of one quantized matrix W (codes) / S (scales) [N, K]; with xq
- * the q8 rows of x instead (mxfp4 / int4 / int8). */
+ * the q8 rows of x instead (mxfp4 / int4 / int8). sw / lds: the VNNI q8 path's scale scratch (see
+ * quant_proj_q8v; unused elsewhere). */
 static void quant_proj(const tm_moe_t *a, const void *W, const void *S, int N, int K, long o0, long o1,
-                       const float *x, long ldx, const int8_t *xq, const float *xd, long nrows, float *y, long ldy) {
+                       const float *x, long ldx, const int8_t *xq, const float *xd, long nrows, float *y, long ldy,
+                       float *sw, long lds) {
     const long ldq = a->H_in > a->I ? a->H_in : a->I, ldd = tm_q8_ldd(ldq);
     const int mx = a->fmt == F_MXFP4;
     const __m128i lut = mx ? _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -767,10 +833,11 @@ static void quant_proj(const tm_moe_t *a, const void *W, const void *S, int N, i
     const long ng = K / group, ssz = mx ? 1 : (a->sfmt == S_F32 ? 4 : 2);
 #if TM_VNNI
     if (xq && a->fmt != F_FP8) {
-        quant_proj_q8v(a, W, S, K, o0, o1, xq, xd, nrows, y, ldy);
+        quant_proj_q8v(a, W, S, K, o0, o1, xq, xd, nrows, y, ldy, sw, lds);
         return;
     }
 #endif
+    (void)sw; (void)lds;
     for (long o = o0; o < o1; o++) {
         const void *srow = (const char *)S + o * ng * ssz;
         for (long r = 0; r < nrows;) {
@@ -875,6 +942,8 @@ typedef struct {
     const tm_moe_t *a;
     int dense, np1, q8, nat, bias;
     long w1, blk1, blk3, nb1, nb3, t1, t3, ldq, ldd;
+    float *sw;            /* VNNI q8: per thread [2, lds] scale scratch (NULL otherwise) */
+    long lds;
 } moe_job_t;
 
 static void moe_job(void *arg, int ith, int nth, tm_bar *bar) {
@@ -883,6 +952,7 @@ static void moe_job(void *arg, int ith, int nth, tm_bar *bar) {
     const int dense = J->dense, I = a->I, Hin = a->H_in, Hout = a->H_out, np1 = J->np1, q8 = J->q8, nat = J->nat;
     const int bias = J->bias;
     const long w1 = J->w1, blk1 = J->blk1, blk3 = J->blk3, nb1 = J->nb1, nb3 = J->nb3, ldq = J->ldq, ldd = J->ldd;
+    float *sw = J->sw ? J->sw + ith * 2 * J->lds : 0;
     float *xrows = (float *)a->x;      /* the sorted rows: gathered into x first when tok is given */
     int ls = 0;
     if (a->tok) {
@@ -913,7 +983,8 @@ static void moe_job(void *arg, int ith, int nth, tm_bar *bar) {
             else
                 quant_proj(a, (const void *)(intptr_t)p[which ? P_UP_W : P_GATE_W],
                            (const void *)(intptr_t)p[which ? P_UP_S : P_GATE_S], I, Hin, n0, n1, x, Hin,
-                           q8 ? a->xq + r0 * ldq : 0, q8 ? a->xd + r0 * ldd : 0, nr, h + which * I, 2 * (long)I);
+                           q8 ? a->xq + r0 * ldq : 0, q8 ? a->xd + r0 * ldd : 0, nr, h + which * I, 2 * (long)I,
+                           sw, J->lds);
         }
         bar_wait(bar, &ls);
     }
@@ -941,7 +1012,7 @@ static void moe_job(void *arg, int ith, int nth, tm_bar *bar) {
                 dense_proj(a->fmt, (const void *)(intptr_t)p[P_DOWN_W], Hout, I, n0, n1, h, 2 * (long)I, nr, y, Hout);
             else
                 quant_proj(a, (const void *)(intptr_t)p[P_DOWN_W], (const void *)(intptr_t)p[P_DOWN_S], Hout, I, n0, n1,
-                           h, 2 * (long)I, q8 ? a->xq + r0 * ldq : 0, q8 ? a->xd + r0 * ldd : 0, nr, y, Hout);
+                           h, 2 * (long)I, q8 ? a->xq + r0 * ldq : 0, q8 ? a->xd + r0 * ldd : 0, nr, y, Hout, sw, J->lds);
             if (a->bias_fmt >= 0) {
                 const void *bd = (const void *)(intptr_t)p[P_DOWN_BIAS];
                 for (long r = 0; r < nr; r++)
@@ -964,13 +1035,52 @@ static void moe_job(void *arg, int ith, int nth, tm_bar *bar) {
     }
 }
 
+/* Every index the call follows, against the buffers the caller says it has (tm_moe_t's capacities): the
+ * experts' rows, their weights, the gathered tokens and the combine's rows. O(experts + rows + T k). */
+static int moe_check(const tm_moe_t *a, int dense) {
+    if (a->fmt < F_F32 || a->fmt > F_INT8 || a->sfmt < S_F32 || a->sfmt > S_F16 || a->bias_fmt < -1
+        || a->bias_fmt > F_F16 || a->act < 0 || a->act > 2 || a->H_in <= 0 || a->I <= 0 || a->H_out <= 0
+        || a->n_exp < 0 || a->n_rows < 0 || a->scratch_rows < 0)
+        return TM_E_ARG;
+    if (!dense && (a->H_in % 32 || a->I % 32)) return TM_E_LAYOUT;
+    if ((a->fmt == F_INT4 || a->fmt == F_INT8) && (a->group <= 0 || a->group % 32)) return TM_E_GROUP;
+    if (a->fmt == F_FP8 && (a->bo <= 0 || a->bi <= 0 || a->bi % 8 || a->H_in % 8 || a->I % 8)) return TM_E_FP8;
+    if (!a->n_exp) return 0;
+    const int q8 = a->q8 && (a->fmt == F_MXFP4 || a->fmt == F_INT4 || a->fmt == F_INT8);
+    if (!a->row0 || !a->rows || !a->ptrs || !a->x || !a->y || !a->h || (q8 && (!a->xq || !a->xd))) return TM_E_NULL;
+    int64_t extent = 0;   /* rows the call computes: [0, extent) covers every expert's */
+    for (long e = 0; e < a->n_exp; e++) {
+        const int64_t r0 = a->row0[e], nr = a->rows[e];
+        if (!in_range(r0, nr, a->n_rows) || !in_range(r0, nr, a->scratch_rows)) return TM_E_ROWS;
+        if (!nr) continue;
+        extent = r0 + nr > extent ? r0 + nr : extent;
+        const int64_t *p = a->ptrs + e * P_N;
+        if (!p[P_GATE_W] || !p[P_DOWN_W] || (!dense && (!p[P_GATE_S] || !p[P_UP_W] || !p[P_UP_S] || !p[P_DOWN_S]))
+            || (a->bias_fmt >= 0 && (!p[P_GU_BIAS] || !p[P_DOWN_BIAS])))
+            return TM_E_NULL;
+        if (a->tok) {
+            if (!a->xin) return TM_E_NULL;
+            for (int64_t r = r0; r < r0 + nr; r++)
+                if (a->tok[r] < 0 || a->tok[r] >= a->n_in) return TM_E_TOK;
+        }
+    }
+    if (a->out) {
+        if (!a->back || !a->wts) return TM_E_NULL;
+        if (a->T < 0 || a->k <= 0 || a->T > INT64_MAX / a->k) return TM_E_ARG;
+        for (int64_t i = 0; i < a->T * a->k; i++)
+            if (a->back[i] < 0 || a->back[i] >= extent) return TM_E_BACK;
+    }
+    return 0;
+}
+
 int tm_moe(const tm_moe_t *a) {
     init_tables();
+    if (!a) return TM_E_NULL;
     const int dense = a->fmt <= F_F16, I = a->I, Hin = a->H_in, Hout = a->H_out;
-    if (!dense && (Hin % 32 || I % 32)) return -1;
-    if ((a->fmt == F_INT4 || a->fmt == F_INT8) && a->group % 32) return -2;
-    if (a->fmt == F_FP8 && (a->bi % 8 || Hin % 8 || I % 8)) return -3;
-    const int nt = a->nthreads > 0 ? a->nthreads : 1;
+    const int rc = moe_check(a, dense);
+    if (rc) return rc;
+    if (!a->n_exp) return 0;
+    const int nt = a->nthreads > 0 ? (a->nthreads < TM_MAX_THREADS ? a->nthreads : TM_MAX_THREADS) : 1;
     /* Tasks. Dense: the fused gate|up [in, 2I] as one projection of width 2I, whole rows of W per task
      * (one sequential stream) unless the experts are too few to keep every thread busy, then column
      * blocks (multiples of 64). Quantized: gate and up apart, BLK_QUANT output rows per task. */
@@ -994,15 +1104,20 @@ int tm_moe(const tm_moe_t *a) {
     J.ldq = Hin > I ? Hin : I;
     J.ldd = tm_q8_ldd(J.ldq);
     J.bias = a->fmt == F_MXFP4 ? 12 : (a->fmt == F_INT8 ? 128 : 8);   /* VNNI: the codes' offset (q8_quantize) */
+    J.sw = 0;
+    J.lds = J.ldq / 32;
 #if TM_VNNI
-    if (J.q8 && J.ldq / 32 > TM_Q8_MAX_CHUNKS) return -4;
+    if (J.q8 && !(J.sw = malloc((size_t)nt * 2 * J.lds * sizeof(float)))) return TM_E_NOMEM;
 #endif
     pool_run(moe_job, &J, nt);
+    free(J.sw);
     return 0;
 }
 
 /* ---- RMSNorm: out[r] = w[r % G] * (x[r] / sqrt(mean(x[r]^2) + eps)), rows of D --------------------- */
 int tm_rms_norm(const float *x, int64_t rows, int64_t D, const float *w, int64_t G, float eps, float *out) {
+    if (rows < 0 || G <= 0 || (rows && D <= 0)) return TM_E_ARG;       /* G = 0 was r % 0 */
+    if (rows && (!x || !w || !out)) return TM_E_NULL;
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * D;
         const float *wr = w + (r % G) * D;
@@ -1093,6 +1208,9 @@ static void bf16_job(void *arg, int ith, int nth, tm_bar *bar) {
 }
 
 int tm_linear_bf16(const float *x, int64_t n, int64_t K, const uint16_t *W, int64_t N, float *y, int32_t nthreads) {
+    if (n < 0 || K <= 0 || N <= 0) return TM_E_ARG;
+    if (!n) return 0;
+    if (!x || !W || !y) return TM_E_NULL;
     bf16_job_t j = {x, n, K, W, N, y};
     pool_run(bf16_job, &j, nthreads > 0 ? nthreads : 1);
     return 0;
@@ -1108,11 +1226,12 @@ typedef struct {
     float *y;
     const void *W, *S;
     const float *bias;    /* [N] float32 or NULL */
-    int8_t *xq;           /* q8 scratch [n, K] */
-    float *xd;            /* q8 scales [n, tm_q8_ldd(K)] */
+    int8_t *xq;           /* q8 scratch [xq_rows, K] */
+    float *xd;            /* q8 scales [xq_rows, tm_q8_ldd(K)] */
+    int64_t xq_rows;      /* rows xq / xd hold (q8): n <= xq_rows */
 } tm_lin_t;
 
-typedef struct { const tm_lin_t *l; tm_moe_t a; } linq_job_t;
+typedef struct { const tm_lin_t *l; tm_moe_t a; float *sw; long lds; } linq_job_t;
 
 static void linq_job(void *arg, int ith, int nth, tm_bar *bar) {
     const linq_job_t *j = (const linq_job_t *)arg;
@@ -1128,7 +1247,8 @@ static void linq_job(void *arg, int ith, int nth, tm_bar *bar) {
     SPLIT((N + 15) / 16, b0, b1);
     for (long b = b0; b < b1; b++) {
         const long o0 = 16 * b, o1 = o0 + 16 < N ? o0 + 16 : N;
-        quant_proj(&j->a, l->W, l->S, (int)N, (int)K, o0, o1, l->x, K, l->q8 ? l->xq : 0, l->q8 ? l->xd : 0, l->n, l->y, N);
+        quant_proj(&j->a, l->W, l->S, (int)N, (int)K, o0, o1, l->x, K, l->q8 ? l->xq : 0, l->q8 ? l->xd : 0, l->n, l->y, N,
+                   j->sw ? j->sw + ith * 2 * j->lds : 0, j->lds);
         if (l->bias)
             for (long r = 0; r < l->n; r++)
                 for (long o = o0; o < o1; o++) l->y[r * N + o] += l->bias[o];
@@ -1137,16 +1257,26 @@ static void linq_job(void *arg, int ith, int nth, tm_bar *bar) {
 
 int tm_linear_q(const tm_lin_t *l) {
     init_tables();
-    if (l->K % 32 || l->group % 32 || (l->fmt != F_INT8 && l->fmt != F_INT4 && l->fmt != F_MXFP4)) return -1;
-#if TM_VNNI
-    if (l->q8 && l->K / 32 > TM_Q8_MAX_CHUNKS) return -4;
-#endif
+    if (!l) return TM_E_NULL;
+    if (l->K <= 0 || l->K % 32 || l->K > INT32_MAX || (l->fmt != F_INT8 && l->fmt != F_INT4 && l->fmt != F_MXFP4))
+        return TM_E_LAYOUT;
+    if (l->fmt != F_MXFP4 && (l->group <= 0 || l->group % 32)) return TM_E_GROUP;
+    if (l->n < 0 || l->N <= 0 || l->N > INT32_MAX || l->sfmt < S_F32 || l->sfmt > S_F16) return TM_E_ARG;
+    if (!l->n) return 0;
+    if (!l->x || !l->y || !l->W || !l->S || (l->q8 && (!l->xq || !l->xd))) return TM_E_NULL;
+    if (l->q8 && l->n > l->xq_rows) return TM_E_SCRATCH;
+    const int nt = l->nthreads > 0 ? (l->nthreads < TM_MAX_THREADS ? l->nthreads : TM_MAX_THREADS) : 1;
     linq_job_t j;
     memset(&j, 0, sizeof j);
     j.l = l;
     j.a.fmt = l->fmt; j.a.sfmt = l->sfmt; j.a.group = l->group; j.a.q8 = l->q8;
     j.a.H_in = j.a.I = j.a.H_out = (int32_t)l->K;
-    pool_run(linq_job, &j, l->nthreads > 0 ? l->nthreads : 1);
+    j.lds = l->K / 32;
+#if TM_VNNI
+    if (l->q8 && !(j.sw = malloc((size_t)nt * 2 * j.lds * sizeof(float)))) return TM_E_NOMEM;
+#endif
+    pool_run(linq_job, &j, nt);
+    free(j.sw);
     return 0;
 }
 
@@ -1205,20 +1335,47 @@ static void gqa_job(void *arg, int ith, int nth, tm_bar *bar) {
     }
 }
 
-int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
-                  int64_t rd, float *K, float *V, const int64_t *write, const int64_t *read, int64_t n,
-                  const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale, float *out,
-                  float *scratch, int32_t nthreads) {
-    const long half = rd / 2, g = nh / nkv;
+/* The indices attention follows, before any write: each sequence's position inside its row of read
+ * slots, and (where the cache's size is known: slots >= 0) every slot written or read inside the cache.
+ * O(B n) against the O(B n nh hd) of the attention itself. */
+static int gqa_check(const int64_t *write, const int64_t *read, int64_t n, const int64_t *pos, int64_t B,
+                     int64_t slots) {
+    const int64_t lim = slots >= 0 ? slots : INT64_MAX;
+    for (int64_t b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] >= n) return TM_E_POS;
+        if (write[b] < 0 || write[b] >= lim) return TM_E_SLOT;
+        for (int64_t j = 0; j <= pos[b]; j++)
+            if (read[b * n + j] < 0 || read[b * n + j] >= lim) return TM_E_SLOT;
+    }
+    return 0;
+}
+
+/* tm_gqa_decode; slots: the cache's slot count (-1: unknown), or -2: the caller (tm_attn_block) checked
+ * the positions and slots already */
+static int gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
+                      int64_t rd, float *K, float *V, const int64_t *write, const int64_t *read, int64_t n,
+                      const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale, float *out,
+                      float *scratch, int32_t nthreads, int64_t slots) {
+    if (B < 0 || nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || (B && n <= 0) || qk_ld < (nh + nkv) * hd
+        || v_ld < nkv * hd || (cos && (rd < 0 || rd > hd || rd % 2)))
+        return TM_E_ARG;
+    if (!B) return 0;
+    if (!qk || !v || !K || !V || !write || !read || !pos || !out || !scratch || (cos && !ssin)) return TM_E_NULL;
+    const int rc = slots == -2 ? 0 : gqa_check(write, read, n, pos, B, slots);
+    if (rc) return rc;
+    const long half = rd / 2;
     for (long b = 0; b < B; b++) {
         float *row = qk + b * qk_ld;
         if (cos) {
+            /* RoPE pairs channel i with i + half, both from their old values: in place, no copy */
             const float *c = cos + b * rd, *sn = ssin + b * rd;
-            float tmp[1024];
             for (long h = 0; h < nh + nkv; h++) {
                 float *x = row + h * hd;
-                for (long i = 0; i < rd; i++) tmp[i] = x[i];
-                for (long i = 0; i < rd; i++) x[i] = tmp[i] * c[i] + tmp[i < half ? i + half : i - half] * sn[i];
+                for (long i = 0; i < half; i++) {
+                    const float lo = x[i], hi = x[i + half];
+                    x[i] = lo * c[i] + hi * sn[i];
+                    x[i + half] = hi * c[i + half] + lo * sn[i + half];
+                }
             }
         }
         memcpy(K + write[b] * nkv * hd, row + nh * hd, nkv * hd * sizeof(float));
@@ -1227,6 +1384,16 @@ int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const 
     gqa_job_t j = {qk, qk_ld, K, V, read, n, pos, nh, nkv, hd, scale, out, scratch, B * nh};
     pool_run(gqa_job, &j, (int)(nthreads > 0 ? (nthreads < B * nh ? nthreads : B * nh) : 1));
     return 0;
+}
+
+/* The exported call (runtime/model/layers/attention.py): its arguments carry no slot count, so the slots
+ * are checked non-negative here and against the cache's size only on the fused path (tm_attn_block). */
+int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
+                  int64_t rd, float *K, float *V, const int64_t *write, const int64_t *read, int64_t n,
+                  const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale, float *out,
+                  float *scratch, int32_t nthreads) {
+    return gqa_decode(qk, qk_ld, v, v_ld, cos, ssin, rd, K, V, write, read, n, pos, B, nh, nkv, hd, scale, out, scratch,
+                      nthreads, -1);
 }
 
 
@@ -1257,20 +1424,24 @@ static void f32_job(void *arg, int ith, int nth, tm_bar *bar) {
                    j->y, N);
 }
 
-static void lin_apply(const tm_lin_desc *d, const float *x, long n, float *y, int nt, int8_t *xq, float *xd) {
+/* xq_rows: rows the q8 scratch holds (tm_attn_block checked K against its width) */
+static int lin_apply(const tm_lin_desc *d, const float *x, long n, float *y, int nt, int8_t *xq, float *xd,
+                     int64_t xq_rows) {
     if (d->kind == 2) {
-        tm_lin_t l = {d->fmt, d->sfmt, d->group, d->q8, nt, n, d->K, d->N, x, y, d->W, d->S, d->bias, xq, xd};
-        tm_linear_q(&l);
-        return;
+        tm_lin_t l = {d->fmt, d->sfmt, d->group, d->q8, nt, n, d->K, d->N, x, y, d->W, d->S, d->bias, xq, xd, xq_rows};
+        return tm_linear_q(&l);
     }
-    if (d->kind == 1) tm_linear_bf16(x, n, d->K, (const uint16_t *)d->W, d->N, y, nt);
-    else {
+    if (d->kind == 1) {
+        const int rc = tm_linear_bf16(x, n, d->K, (const uint16_t *)d->W, d->N, y, nt);
+        if (rc) return rc;
+    } else {
         f32_job_t j = {d, x, n, y};
         pool_run(f32_job, &j, nt);
     }
     if (d->bias)
         for (long r = 0; r < n; r++)
             for (long c = 0; c < d->N; c++) y[r * d->N + c] += d->bias[c];
+    return 0;
 }
 
 enum { R_SOFTMAX_TOPK = 0, R_TOPK_SOFTMAX = 1, R_SIGMOID_GROUP = 2, R_NONE = -1 };
@@ -1283,6 +1454,7 @@ typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm, *correction;
     tm_lin_desc qkv, o, gate;         /* gate: the router */
     float *K, *V;                     /* this layer's cache [slots, nkv, hd] */
+    int64_t slots;                    /* rows of K / V: every write and read slot is below it */
 } tm_layer_t;
 
 typedef struct {
@@ -1298,6 +1470,11 @@ typedef struct {
      * each sorted row and the sorted row of each (token, slot) */
     int64_t *n_used, *used, *counts, *row0, *rows, *tok, *back;
     int32_t nthreads;
+    /* The scratch's sizes, as layers/fused.py's StepBuffers allocated it (each buffer a product of
+     * these: h [cap_B, cap_H], qkv [cap_B, cap_qkv], att [cap_B, cap_att], scores [cap_B cap_heads cap_n],
+     * logits [cap_B, cap_E], ids / wts / tok / back [cap_B cap_k], xq [cap_B cap_K], xd [cap_B,
+     * tm_q8_ldd(cap_K)], used / counts / row0 / rows [cap_E]): a layer or a batch past one is refused. */
+    int64_t cap_B, cap_n, cap_H, cap_qkv, cap_att, cap_heads, cap_E, cap_k, cap_K;
 } tm_step_t;
 
 static void topk_desc(const float *v, int E, int k, int64_t *ids) {
@@ -1313,7 +1490,8 @@ static void topk_desc(const float *v, int E, int k, int64_t *ids) {
     }
 }
 
-static void route_row(const tm_layer_t *L, const float *lg, int64_t *ids, float *w, float *tmp) {
+/* tmp: [2E + G] floats, keep: [G] (G = n_group), from tm_attn_block's heap block */
+static void route_row(const tm_layer_t *L, const float *lg, int64_t *ids, float *w, float *tmp, int64_t *keep) {
     const int E = L->E, k = L->k;
     if (L->router == R_SOFTMAX_TOPK || L->router == R_TOPK_SOFTMAX) {
         float mx = -INFINITY;
@@ -1337,8 +1515,7 @@ static void route_row(const tm_layer_t *L, const float *lg, int64_t *ids, float 
         for (int e = 0; e < E; e++) { sc[e] = 1.0f / (1.0f + expf(-lg[e])); sel[e] = sc[e] + (L->correction ? L->correction[e] : 0.0f); }
         if (L->n_group > 1) {
             const int G = L->n_group, per = E / G, two = per < 2 ? per : 2;
-            float gs[256];
-            int64_t keep[256];
+            float *gs = tmp + 2 * E;
             for (int g = 0; g < G; g++) {
                 int64_t t2[2];
                 topk_desc(sel + g * per, per, two, t2);
@@ -1360,14 +1537,57 @@ static void route_row(const tm_layer_t *L, const float *lg, int64_t *ids, float 
     if (L->route_scale != 1.0f) for (int j = 0; j < k; j++) w[j] *= L->route_scale;
 }
 
+static int desc_check(const tm_lin_desc *d, int64_t K, int64_t N) {
+    if (d->K != K || d->N != N || d->kind < 0 || d->kind > 2 || !d->W || (d->kind == 2 && !d->S)) return TM_E_LAYOUT;
+    return 0;
+}
+
+/* The layer's sizes against each other and against the step's scratch, then the positions and slots:
+ * everything tm_attn_block indexes, before it writes anything. */
+static int attn_check(const tm_layer_t *L, const tm_step_t *S) {
+    const int64_t B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd;
+    if (B < 0 || H <= 0 || nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || L->rd < 0 || L->rd > hd || L->rd % 2
+        || L->qk_norm < 0 || L->qk_norm > 2 || L->router < R_NONE || L->router > R_SIGMOID_GROUP)
+        return TM_E_ARG;
+    if (L->router >= 0 && (L->E <= 0 || L->k <= 0 || L->k > L->E)) return TM_E_ARG;
+    if (L->router == R_SIGMOID_GROUP && L->n_group > 1
+        && (L->E % L->n_group || L->topk_group <= 0 || L->topk_group > L->n_group))
+        return TM_E_ARG;
+    const int64_t ld = (nh + 2 * nkv) * hd, E = L->router >= 0 ? L->E : L->gate.N;
+    int rc;
+    if ((rc = desc_check(&L->qkv, H, ld)) || (rc = desc_check(&L->o, nh * hd, H)) || (rc = desc_check(&L->gate, H, E)))
+        return rc;
+    if (B > S->cap_B || S->n > S->cap_n || H > S->cap_H || ld > S->cap_qkv || nh * hd > S->cap_att || nh > S->cap_heads
+        || E > S->cap_E || (L->router >= 0 && L->k > S->cap_k) || H > S->cap_K || nh * hd > S->cap_K)
+        return TM_E_SCRATCH;
+    if (!B) return 0;
+    if (!S->x || !S->h || !S->qkv || !S->att || !S->tmp || !S->scores || !S->logits || !S->xq || !S->xd || !L->in_norm
+        || !L->post_norm || !L->K || !L->V || (L->qk_norm && !L->q_norm) || (L->qk_norm == 2 && !L->k_norm)
+        || (L->rd && (!S->cos || !S->ssin)))
+        return TM_E_NULL;
+    if (L->router >= 0 && (!S->ids || !S->wts || !S->n_used || !S->used || !S->counts || !S->row0 || !S->rows
+                           || !S->tok || !S->back))
+        return TM_E_NULL;
+    if (L->slots < 0) return TM_E_ARG;
+    if (S->n <= 0 || !S->write || !S->read || !S->pos) return S->n <= 0 ? TM_E_ARG : TM_E_NULL;
+    return gqa_check(S->write, S->read, S->n, S->pos, B, L->slots);
+}
+
 int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
+    if (!L || !S) return TM_E_NULL;
+    int rc = attn_check(L, S);
+    if (rc || !S->B) return rc;
     const long B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, nq = nh + nkv, ld = (nh + 2 * nkv) * hd;
     const int nt = S->nthreads > 0 ? S->nthreads : 1;
-    if (L->qkv.N != ld || L->o.K != nh * hd || L->rd > 1024 || L->E > 4096 || (L->router >= 0 && L->k > L->E)
-        || (L->router == R_SIGMOID_GROUP && L->n_group > 256))
-        return -1;
+    /* The router's per-row scratch and the sort's cursors on the heap (they were ~100 KB of stack arrays
+     * sized for 4096 experts, on whatever thread called): one block per call, before any work. */
+    const long E = L->router >= 0 ? L->E : 0, k = L->k, G = L->n_group > 1 ? L->n_group : 1;
+    void *blk = 0;
+    if (L->router >= 0 && !(blk = malloc((2 * E + G) * sizeof(float) + (E + G) * sizeof(int64_t)))) return TM_E_NOMEM;
+    int64_t *start = (int64_t *)blk, *keep = start + E;
+    float *rtmp = (float *)(keep + G);
     tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                          /* h: [B, H] */
-    lin_apply(&L->qkv, S->h, B, S->qkv, nt, S->xq, S->xd);                         /* qkv: [B, (nh + 2 nkv) hd] */
+    if ((rc = lin_apply(&L->qkv, S->h, B, S->qkv, nt, S->xq, S->xd, S->cap_B))) goto done;   /* qkv: [B, ld] */
     if (L->qk_norm == 1)
         for (long b = 0; b < B; b++) tm_rms_norm(S->qkv + b * ld, nq, hd, L->q_norm, nq, L->eps, S->qkv + b * ld);
     else if (L->qk_norm == 2)
@@ -1375,21 +1595,19 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
             tm_rms_norm(S->qkv + b * ld, 1, nh * hd, L->q_norm, 1, L->eps, S->qkv + b * ld);
             tm_rms_norm(S->qkv + b * ld + nh * hd, 1, nkv * hd, L->k_norm, 1, L->eps, S->qkv + b * ld + nh * hd);
         }
-    tm_gqa_decode(S->qkv, ld, S->qkv + nq * hd, ld, S->cos, S->ssin, L->rd, L->K, L->V, S->write, S->read, S->n,
-                  S->pos, B, nh, nkv, hd, L->scale, S->att, S->scores, nt);               /* att: [B, nh hd] */
-    lin_apply(&L->o, S->att, B, S->tmp, nt, S->xq, S->xd);
+    if ((rc = gqa_decode(S->qkv, ld, S->qkv + nq * hd, ld, L->rd ? S->cos : 0, S->ssin, L->rd, L->K, L->V, S->write,
+                         S->read, S->n, S->pos, B, nh, nkv, hd, L->scale, S->att, S->scores, nt, -2)))
+        goto done;                                                                   /* att: [B, nh hd] */
+    if ((rc = lin_apply(&L->o, S->att, B, S->tmp, nt, S->xq, S->xd, S->cap_B))) goto done;
     for (long i = 0; i < B * H; i++) S->x[i] += S->tmp[i];                          /* the residual */
     tm_rms_norm(S->x, B, H, L->post_norm, 1, L->eps, S->h);
-    lin_apply(&L->gate, S->h, B, S->logits, nt, S->xq, S->xd);                      /* logits: [B, E] */
-    if (L->router < 0) return 0;
-    const long E = L->E, k = L->k;
-    float tmp[2 * 4096];
-    for (long b = 0; b < B; b++) route_row(L, S->logits + b * E, S->ids + b * k, S->wts + b * k, tmp);
+    if ((rc = lin_apply(&L->gate, S->h, B, S->logits, nt, S->xq, S->xd, S->cap_B))) goto done;   /* logits: [B, E] */
+    if (L->router < 0) goto done;
+    for (long b = 0; b < B; b++) route_row(L, S->logits + b * E, S->ids + b * k, S->wts + b * k, rtmp, keep);
     /* dispatch: a stable counting sort of the (token, slot) pairs by expert */
     for (long e = 0; e < E; e++) S->counts[e] = 0;
     for (long i = 0; i < B * k; i++) S->counts[S->ids[i]]++;
     long nu = 0, off = 0;
-    int64_t start[2 * 4096];
     for (long e = 0; e < E; e++) {
         start[e] = off;
         if (S->counts[e]) { S->used[nu] = e; S->row0[nu] = off; S->rows[nu] = S->counts[e]; nu++; }
@@ -1401,5 +1619,7 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
         S->back[i] = r;
     }
     *S->n_used = nu;
-    return 0;
+done:
+    free(blk);
+    return rc;
 }

@@ -1,0 +1,437 @@
+"""The host kernels' ABI (runtime/kernels/moe_cpu.c) refuses what it is not built for: every exported
+entry point is called through ctypes with sizes and indices out of range - an expert's rows past the row
+buffers, a gathered token past the input, a combine row past the rows computed, a position past its read
+row, a cache slot past the cache, a batch past the step's scratch - and must return its error code (the
+Python wrappers: KernelError naming the entry point and the code) without writing anything, where before
+it wrote past a buffer or divided by zero. Plus: the fixed RoPE-in-place attention against torch, and two
+threads sharing one Linear and one HostMoE (each call has its own arguments and scratch)."""
+import ctypes
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import kernels
+from runtime.kernels.moe import HostMoE
+from runtime.quant import encode_expert, expert_weight_specs, get_format
+
+if kernels.lib() is None:      # tests/conftest.py fails the run instead under TIERED_MOE_REQUIRE_HOST_KERNELS=1
+    pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
+
+P = ctypes.c_void_p
+
+
+@pytest.fixture(autouse=True)
+def default_build():
+    """The widest build (test_host_kernels.py runs every build; the checks here do not depend on it)."""
+    kernels.reset()
+    yield
+    kernels.reset()
+
+
+def experts(fmt: str, params: dict, H: int, I: int, n: int, bias: bool = False) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    specs = expert_weight_specs(H, I, get_format(fmt, **params), torch.bfloat16 if bias else None)
+    blobs = []
+    for _ in range(n):
+        gate, up, down = (torch.randn(s, generator=g) * 0.1 for s in ((I, H), (I, H), (H, I)))
+        t = {"gate": gate, "up": up, "gate_up": torch.cat([gate, up]), "down": down}
+        if bias:
+            t["gate_up_bias"], t["down_bias"] = torch.randn(2 * I, generator=g), torch.randn(H, generator=g)
+        blobs.append(encode_expert(specs, t))
+    return specs, blobs
+
+
+def refused(code: int, entry: str = "tm_moe"):
+    """pytest.raises for a KernelError of this entry point and code."""
+    return pytest.raises(kernels.KernelError, match=rf"^{entry} refused its arguments \(code {code}: ")
+
+
+def test_sanitized_build():
+    """Under tests/kernels_sanitize.sh (TIERED_MOE_KERNEL_SANITIZE=1) the loaded library is the ASan + UBSan
+    one; otherwise the plain one."""
+    want = os.environ.get("TIERED_MOE_KERNEL_SANITIZE") == "1"
+    assert kernels.lib().tm_sanitized() == int(want)
+
+
+def test_every_code_has_its_own_text():
+    lib = kernels.lib()
+    codes = [getattr(kernels, n) for n in dir(kernels) if n.startswith("E_")]
+    texts = [lib.tm_strerror(c).decode() for c in codes]
+    assert len(codes) == 12 and len(set(codes)) == 12 and len(set(texts)) == 12
+    assert "unknown code" not in texts and lib.tm_strerror(-99).decode() == "unknown code"
+    assert lib.tm_version() == kernels.ABI_VERSION
+
+
+# ---- tm_moe ----------------------------------------------------------------------------------------------
+
+H, I = 64, 64
+
+
+@pytest.fixture(scope="module")
+def moe():
+    specs, blobs = experts("int4", {"group": 32, "scale_dtype": "bfloat16"}, H, I, 3)
+    return HostMoE(specs, H, I, H), blobs
+
+
+@pytest.mark.parametrize("row0,rows", [([0, 1, 2], [1, 1, 3]),        # past the 4 rows of xs / ys
+                                       ([0, -1, 2], [1, 1, 1]),       # a negative first row
+                                       ([0, 1, 2], [1, -1, 1]),       # a negative count
+                                       ([0, 1, 2 ** 62], [1, 1, 2 ** 62])])   # row0 + rows overflowing int64
+def test_moe_rows_outside_the_row_buffers(moe, row0, rows):
+    kern, blobs = moe
+    xs, ys = torch.randn(4, H), torch.full((4, H), float("nan"))
+    with refused(kernels.E_ROWS):
+        kern.run(blobs, row0, rows, xs, ys)
+    assert ys.isnan().all()                                     # refused before any work
+    kern.run(blobs, [0, 1, 2], [1, 1, 2], xs, ys)               # the same call in range
+    assert not ys.isnan().any()
+
+
+def test_moe_gather_and_combine_indices(moe):
+    kern, blobs = moe
+    T, k = 2, 2
+    row0, rows = [0, 1, 3], [1, 2, 1]
+    xin, wts = torch.randn(T, H), torch.rand(T, k)
+    good_tok, good_back = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 2, 3])
+    for tok, back, code in ((torch.tensor([0, 0, 2, 1]), good_back, kernels.E_TOK),     # token 2 of 2
+                            (torch.tensor([0, -1, 1, 1]), good_back, kernels.E_TOK),
+                            (good_tok, torch.tensor([0, 1, 2, 4]), kernels.E_BACK),     # row 4 of 4 computed
+                            (good_tok, torch.tensor([0, -3, 2, 3]), kernels.E_BACK)):
+        out = torch.full((T, H), 7.0)
+        with refused(code):
+            kern.run(blobs, row0, rows, torch.empty(4, H), torch.empty(4, H), gather=(xin, tok),
+                     combine=(back, wts, out))
+        assert (out == 7.0).all()
+    # back may only name rows the experts compute: with rows 0..2 computed of 8 allocated, row 3 is refused
+    out = torch.full((T, H), 7.0)
+    with refused(kernels.E_BACK):
+        kern.run(blobs[:2], [0, 1], [1, 2], torch.empty(8, H), torch.empty(8, H), gather=(xin, good_tok[:3]),
+                 combine=(good_back, wts, out))
+    kern.run(blobs, row0, rows, torch.empty(4, H), torch.empty(4, H), gather=(xin, good_tok),
+             combine=(good_back, wts, out))
+    assert (out != 7.0).all()
+
+
+def test_moe_raw_struct_layouts_and_pointers(moe):
+    """The struct filled by hand (as any other caller could): codes that used to divide by zero (an fp8
+    tile or an int4 group of 0), unknown formats, a NULL weight, scratch smaller than the rows."""
+    kern, blobs = moe
+    lib = kernels.lib()
+    xs, ys = torch.randn(4, H), torch.full((4, H), float("nan"))
+    row0, rows = np.array([0, 1], np.int64), np.array([1, 3], np.int64)
+    ptrs = np.concatenate([kern._row(b) for b in blobs[:2]])
+    # buffers the bad calls point at, alive through them
+    no_ptrs, tok, out, back, wts = np.zeros(16, np.int64), torch.zeros(4, dtype=torch.int64), torch.empty(2, H), \
+        torch.zeros(2, dtype=torch.int64), torch.ones(2)
+
+    def call(**change):
+        a = kern._call(4)
+        a.n_exp, a.nthreads = 2, 1
+        a.row0, a.rows, a.ptrs, a.x, a.y = row0.ctypes.data, rows.ctypes.data, ptrs.ctypes.data, xs.data_ptr(), \
+            ys.data_ptr()
+        for k, v in change.items():
+            setattr(a, k, v)
+        return lib.tm_moe(ctypes.byref(a))
+
+    with refused(kernels.E_GROUP):
+        call(group=0)
+    with refused(kernels.E_FP8):
+        call(fmt=kernels.FMT_CODES["fp8_e4m3"], bo=0, bi=128)
+    with refused(kernels.E_FP8):
+        call(fmt=kernels.FMT_CODES["fp8_e4m3"], bo=128, bi=0)
+    with refused(kernels.E_ARG):
+        call(fmt=9)
+    with refused(kernels.E_ARG):
+        call(act=5)
+    with refused(kernels.E_ARG):
+        call(I=0)
+    with refused(kernels.E_LAYOUT):
+        call(H_in=48)
+    with refused(kernels.E_ROWS):
+        call(scratch_rows=3)                                   # h holds 3 rows, the experts use 4
+    with refused(kernels.E_NULL):
+        call(h=None)
+    with refused(kernels.E_NULL):
+        call(ptrs=no_ptrs.ctypes.data)                         # experts without weights
+    with refused(kernels.E_NULL):
+        call(tok=tok.data_ptr())                               # a gather without its input rows
+    with refused(kernels.E_ARG):
+        call(out=out.data_ptr(), back=back.data_ptr(), wts=wts.data_ptr(), T=2, k=0)
+    assert ys.isnan().all()
+    assert call() == 0 and not ys.isnan().any()
+
+
+def test_moe_shapes_checked_in_python(moe):
+    kern, blobs = moe
+    with pytest.raises(ValueError, match="one entry per expert"):
+        kern.run(blobs, [0, 1], [1, 1, 1], torch.randn(3, H), torch.empty(3, H))
+    with pytest.raises(ValueError, match=r"rows must be \[n, 64\]"):
+        kern.run(blobs, [0], [1], torch.randn(3, H + 1), torch.empty(3, H))
+    with pytest.raises(ValueError, match="combine needs back"):
+        kern.run(blobs[:1], [0], [1], torch.randn(1, H), torch.empty(1, H),
+                 combine=(torch.zeros(1, dtype=torch.int64), torch.ones(1, 2), torch.empty(1, H)))
+
+
+# ---- tm_linear_q / tm_linear_bf16 / tm_rms_norm -----------------------------------------------------------
+
+def test_linear_q_scratch_and_layout():
+    from runtime.model.layers.dense import Linear
+    lin = Linear(torch.randn(40, 64), None, torch.float32, quant="int4", act_quant="q8")
+    lib = kernels.lib()
+    x, y = torch.randn(3, 64), torch.full((3, 40), float("nan"))
+    xq, xd = torch.empty(3 * 64, dtype=torch.int8), torch.empty(3 * lib.tm_q8_ldd(64))
+
+    def call(**change):
+        a = kernels.LinArgs.from_buffer_copy(lin.args)
+        a.n, a.nthreads, a.x, a.y, a.xq, a.xd, a.xq_rows = 3, 1, x.data_ptr(), y.data_ptr(), xq.data_ptr(), \
+            xd.data_ptr(), 3
+        for k, v in change.items():
+            setattr(a, k, v)
+        return lib.tm_linear_q(ctypes.byref(a))
+
+    with refused(kernels.E_SCRATCH, "tm_linear_q"):
+        call(xq_rows=2)                                        # q8 scratch of 2 rows for 3
+    with refused(kernels.E_LAYOUT, "tm_linear_q"):
+        call(K=48)
+    with refused(kernels.E_GROUP, "tm_linear_q"):
+        call(group=0)
+    with refused(kernels.E_ARG, "tm_linear_q"):
+        call(n=-1)
+    with refused(kernels.E_NULL, "tm_linear_q"):
+        call(xd=None)
+    assert y.isnan().all()
+    assert call() == 0 and torch.allclose(y, lin(x))
+
+
+def test_linear_bf16_and_rms_norm_sizes():
+    lib = kernels.lib()
+    x, w, y = torch.randn(2, 32), torch.randn(8, 32).bfloat16(), torch.full((2, 8), float("nan"))
+    for n, K, W, N, code in ((-1, 32, w.data_ptr(), 8, kernels.E_ARG), (2, 0, w.data_ptr(), 8, kernels.E_ARG),
+                             (2, 32, w.data_ptr(), 0, kernels.E_ARG), (2, 32, None, 8, kernels.E_NULL)):
+        with refused(code, "tm_linear_bf16"):
+            lib.tm_linear_bf16(x.data_ptr(), n, K, W, N, y.data_ptr(), 1)
+    assert y.isnan().all()
+    xn, wn, out = torch.randn(3, 16), torch.ones(16), torch.full((3, 16), float("nan"))
+    with refused(kernels.E_ARG, "tm_rms_norm"):
+        lib.tm_rms_norm(xn.data_ptr(), 3, 16, wn.data_ptr(), 0, 1e-6, out.data_ptr())   # G = 0: was r % 0
+    with refused(kernels.E_ARG, "tm_rms_norm"):
+        lib.tm_rms_norm(xn.data_ptr(), 3, 0, wn.data_ptr(), 1, 1e-6, out.data_ptr())
+    with refused(kernels.E_NULL, "tm_rms_norm"):
+        lib.tm_rms_norm(xn.data_ptr(), 3, 16, None, 1, 1e-6, out.data_ptr())
+    assert out.isnan().all()
+    assert lib.tm_rms_norm(xn.data_ptr(), 0, 0, None, 1, 1e-6, None) == 0          # no rows: nothing to do
+    assert lib.tm_rms_norm(xn.data_ptr(), 3, 16, wn.data_ptr(), 1, 1e-6, out.data_ptr()) == 0
+    assert torch.allclose(out, xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-6)
+    assert lib.tm_linear_bf16(x.data_ptr(), 2, 32, w.data_ptr(), 8, y.data_ptr(), 1) == 0
+    assert torch.allclose(y, x @ w.float().T, atol=1e-5)
+
+
+# ---- tm_gqa_decode ---------------------------------------------------------------------------------------
+
+def gqa_case(B=2, nh=4, nkv=2, hd=32, rd=16, n=6, slots=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ld = (nh + 2 * nkv) * hd
+    c = dict(B=B, nh=nh, nkv=nkv, hd=hd, rd=rd, n=n, ld=ld)
+    c["qkv"] = torch.randn(B, ld, generator=g)
+    ang = torch.rand(B, rd // 2, generator=g) * 6
+    c["cos"] = torch.cat([ang.cos(), ang.cos()], 1).contiguous()
+    c["ssin"] = torch.cat([-ang.sin(), ang.sin()], 1).contiguous()             # the signed sin: x cos + roll(x) ssin
+    c["K"], c["V"] = torch.randn(slots, nkv, hd, generator=g), torch.randn(slots, nkv, hd, generator=g)
+    c["write"] = torch.tensor([3, 9][:B])
+    c["pos"] = torch.tensor([2, 5][:B])
+    read = torch.full((B, n), -1, dtype=torch.int64)                           # past pos: never read
+    read[0, :3] = torch.tensor([1, 2, 3])
+    if B > 1:
+        read[1, :6] = torch.tensor([4, 5, 6, 7, 8, 9])
+    c["read"] = read
+    c["out"] = torch.full((B, nh * hd), float("nan"))
+    c["scratch"] = torch.empty(B * nh * n)
+    return c
+
+
+def gqa_call(c, **change):
+    c = {**c, **change}
+    qkv = c["qkv"]
+    return kernels.lib().tm_gqa_decode(
+        qkv.data_ptr(), c["ld"], qkv.data_ptr() + (c["nh"] + c["nkv"]) * c["hd"] * 4, c["ld"], c["cos"].data_ptr(),
+        c["ssin"].data_ptr(), c["rd"], c["K"].data_ptr(), c["V"].data_ptr(), c["write"].data_ptr(),
+        c["read"].data_ptr(), c["n"], c["pos"].data_ptr(), c["B"], c["nh"], c["nkv"], c["hd"], (c["hd"] or 1) ** -0.5,
+        c["out"].data_ptr(), c["scratch"].data_ptr(), 2)
+
+
+def test_gqa_decode_against_torch():
+    """RoPE now rotates each channel pair in place (it copied the head into a 4 KB stack array): the
+    output, the cache writes and the rotated q against torch."""
+    c = gqa_case()
+    B, nh, nkv, hd, rd = c["B"], c["nh"], c["nkv"], c["hd"], c["rd"]
+    qk0 = c["qkv"][:, :(nh + nkv) * hd].reshape(B, nh + nkv, hd).clone()
+    v = c["qkv"][:, (nh + nkv) * hd:].reshape(B, nkv, hd).clone()
+    K, V = c["K"].clone(), c["V"].clone()
+    rot = qk0[..., :rd]
+    rot = rot * c["cos"][:, None] + torch.roll(rot, rd // 2, -1) * c["ssin"][:, None]
+    qk = torch.cat([rot, qk0[..., rd:]], -1)
+    for b in range(B):
+        K[c["write"][b]], V[c["write"][b]] = qk[b, nh:], v[b]
+    want = torch.empty(B, nh, hd)
+    for b in range(B):
+        idx = c["read"][b, :c["pos"][b] + 1]
+        for h in range(nh):
+            kv = h // (nh // nkv)
+            p = torch.softmax(K[idx, kv] @ qk[b, h] * hd ** -0.5, 0)
+            want[b, h] = p @ V[idx, kv]
+    assert gqa_call(c) == 0
+    assert torch.allclose(c["out"], want.reshape(B, -1), atol=1e-5)
+    assert torch.allclose(c["K"], K, atol=1e-6) and torch.equal(c["V"], V)
+    assert torch.allclose(c["qkv"][:, :(nh + nkv) * hd].reshape(B, nh + nkv, hd), qk, atol=1e-6)
+
+
+@pytest.mark.parametrize("change,code", [
+    ({"pos": torch.tensor([2, 6])}, kernels.E_POS),            # position 6 of a read row of 6
+    ({"pos": torch.tensor([-1, 5])}, kernels.E_POS),
+    ({"write": torch.tensor([-1, 9])}, kernels.E_SLOT),
+    ({"read": torch.tensor([[1, -2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9]])}, kernels.E_SLOT),
+    ({"nh": 3}, kernels.E_ARG),                                # heads not a multiple of the kv heads
+    ({"rd": 15}, kernels.E_ARG),                               # odd rotary width
+    ({"rd": 34}, kernels.E_ARG),                               # rotary past the head
+    ({"hd": 0}, kernels.E_ARG),
+    ({"n": 0}, kernels.E_ARG),
+])
+def test_gqa_decode_refuses(change, code):
+    c = gqa_case()
+    K, qkv = c["K"].clone(), c["qkv"].clone()
+    with refused(code, "tm_gqa_decode"):
+        gqa_call(c, **change)
+    assert torch.equal(c["K"], K) and torch.equal(c["qkv"], qkv) and c["out"].isnan().all()   # nothing written
+
+
+# ---- tm_attn_block ---------------------------------------------------------------------------------------
+
+def attn_case(router="softmax_topk", B=2, n=6, slots=16, E=8, k=2, n_group=1, topk_group=1):
+    from runtime.model.layers.fused import ROUTER_CODES, LayerArgs, StepArgs
+    g = torch.Generator().manual_seed(1)
+    Hd, nh, nkv, hd = 64, 2, 1, 32
+    ld = (nh + 2 * nkv) * hd
+    keep = []
+
+    def buf(*shape, dtype=torch.float32):
+        t = torch.randn(*shape, generator=g).to(dtype) if dtype == torch.float32 else torch.zeros(*shape, dtype=dtype)
+        keep.append(t)
+        return t
+
+    L = LayerArgs()
+    L.H, L.nh, L.nkv, L.hd, L.rd, L.qk_norm, L.E, L.k = Hd, nh, nkv, hd, 16, 0, E, k
+    L.router, L.renorm, L.n_group, L.topk_group = ROUTER_CODES[router], 1, n_group, topk_group
+    L.eps, L.scale, L.route_scale = 1e-6, hd ** -0.5, 1.0
+    L.in_norm, L.post_norm = buf(Hd).data_ptr(), buf(Hd).data_ptr()
+    for name, K_, N_ in (("qkv", Hd, ld), ("o", nh * hd, Hd), ("gate", Hd, E)):
+        d = getattr(L, name)
+        d.kind, d.K, d.N, d.W = 0, K_, N_, buf(K_, N_).mul_(0.1).data_ptr()       # float32 input-major [K, N]
+    cache_k, cache_v = buf(slots, nkv, hd), buf(slots, nkv, hd)
+    L.K, L.V, L.slots = cache_k.data_ptr(), cache_v.data_ptr(), slots
+    c = gqa_case(B=B, nh=nh, nkv=nkv, hd=hd, rd=16, n=n, slots=slots)
+    S = StepArgs()
+    S.B, S.n, S.nthreads = B, n, 2
+    x = buf(B, Hd)
+    S.x, S.cos, S.ssin = x.data_ptr(), c["cos"].data_ptr(), c["ssin"].data_ptr()
+    S.write, S.read, S.pos = c["write"].data_ptr(), c["read"].data_ptr(), c["pos"].data_ptr()
+    keep += [c["cos"], c["ssin"], c["write"], c["read"], c["pos"]]
+    for name, numel in (("h", B * Hd), ("qkv", B * ld), ("att", B * nh * hd), ("tmp", B * Hd),
+                        ("scores", B * nh * n), ("logits", B * E), ("wts", B * k),
+                        ("xd", B * kernels.lib().tm_q8_ldd(Hd))):
+        setattr(S, name, buf(numel).data_ptr())
+    S.xq = buf(B * Hd, dtype=torch.int8).data_ptr()
+    out = {}
+    for name, numel in (("ids", B * k), ("n_used", 1), ("used", E), ("counts", E), ("row0", E), ("rows", E),
+                        ("tok", B * k), ("back", B * k)):
+        out[name] = buf(numel, dtype=torch.int64)
+        setattr(S, name, out[name].data_ptr())
+    S.cap_B, S.cap_n, S.cap_H, S.cap_qkv, S.cap_att, S.cap_heads, S.cap_E, S.cap_k, S.cap_K = \
+        B, n, Hd, ld, nh * hd, nh, E, k, Hd
+    return dict(L=L, S=S, x=x, cache_k=cache_k, out=out, c=c, keep=keep, B=B, k=k, E=E)
+
+
+def attn_call(t) -> int:
+    return kernels.lib().tm_attn_block(ctypes.byref(t["L"]), ctypes.byref(t["S"]))
+
+
+@pytest.mark.parametrize("router,n_group,topk_group", [("softmax_topk", 1, 1), ("topk_softmax", 1, 1),
+                                                       ("sigmoid_group", 4, 2)])
+def test_attn_block_dispatch(router, n_group, topk_group):
+    """A valid call (the router's scratch now on the heap): each (token, slot) sorted once by expert."""
+    t = attn_case(router, n_group=n_group, topk_group=topk_group)
+    assert attn_call(t) == 0
+    o, B, k = t["out"], t["B"], t["k"]
+    nu = int(o["n_used"][0])
+    ids = o["ids"].view(B, k)
+    assert ((ids >= 0) & (ids < t["E"])).all() and all(len(set(r.tolist())) == k for r in ids)
+    assert o["rows"][:nu].sum().item() == B * k and sorted(o["back"].tolist()) == list(range(B * k))
+    for i in range(B * k):                       # the sorted row of (token, slot) i holds token i // k
+        assert o["tok"][o["back"][i]].item() == i // k
+    if router == "sigmoid_group":                # every chosen expert in one of the top-2 of 4 groups
+        assert all(len({e // 2 for e in r.tolist()}) <= 2 for r in ids)
+
+
+@pytest.mark.parametrize("where,change,code", [
+    ("c", {"write": torch.tensor([3, 16])}, kernels.E_SLOT),           # slot 16 of a 16-slot cache
+    ("c", {"read": torch.tensor([[1, 2, 30, -1, -1, -1], [4, 5, 6, 7, 8, 9]])}, kernels.E_SLOT),
+    ("c", {"pos": torch.tensor([6, 5])}, kernels.E_POS),
+    ("S", {"B": 3}, kernels.E_SCRATCH),                                # a batch past the step's scratch
+    ("S", {"n": 7}, kernels.E_SCRATCH),
+    ("S", {"cap_K": 32}, kernels.E_SCRATCH),                           # q8 scratch narrower than the input
+    ("S", {"tok": None}, kernels.E_NULL),
+    ("L", {"slots": -1}, kernels.E_ARG),
+    ("L", {"k": 9}, kernels.E_ARG),                                    # top-9 of 8 experts
+    ("L", {"nkv": 3}, kernels.E_ARG),                                  # 2 heads over 3 kv heads
+    ("L", {"rd": 33}, kernels.E_ARG),
+    ("L", {"router": 2, "n_group": 3, "topk_group": 1}, kernels.E_ARG),  # 8 experts in 3 groups
+    ("L", {"router": 2, "n_group": 4, "topk_group": 5}, kernels.E_ARG),
+    ("L", {"E": 9}, kernels.E_LAYOUT),                                 # the router's width is 8
+    ("L", {"H": 63}, kernels.E_LAYOUT),
+])
+def test_attn_block_refuses(where, change, code):
+    t = attn_case()
+    if where == "c":
+        for name, v in change.items():
+            t["c"][name].copy_(v)
+    else:
+        for name, v in change.items():
+            setattr(t[where], name, v)
+    x, cache = t["x"].clone(), t["cache_k"].clone()
+    assert attn_call(t) == code            # (layers/fused.py raises on it, naming the layer)
+    assert torch.equal(t["x"], x) and torch.equal(t["cache_k"], cache)    # refused before any work
+
+
+# ---- threads sharing one layer -----------------------------------------------------------------------------
+
+def test_threads_sharing_a_linear_and_a_hostmoe():
+    """The argument struct and the q8 scratch were one per Linear / HostMoE, so a second thread's call
+    overwrote the first's pointers while its kernel ran; now each call fills its own."""
+    from runtime.model.layers.dense import Linear
+    lin = Linear(torch.randn(96, 256), None, torch.float32, quant="int4", act_quant="q8")
+    specs, blobs = experts("mxfp4", {}, 128, 128, 2)
+    kern = HostMoE(specs, 128, 128, 128, act_quant="q8")
+    g = torch.Generator().manual_seed(5)
+    xl = [torch.randn(1 + i % 3, 256, generator=g) for i in range(4)]
+    xm = [torch.randn(3, 128, generator=g) for _ in range(4)]
+
+    def moe(x):
+        y = torch.empty(3, 128)
+        kern.run(blobs, [0, 1], [1, 2], x, y)
+        return y
+    want_l, want_m = [lin(x) for x in xl], [moe(x) for x in xm]
+    bad = []
+
+    def worker(i):
+        for _ in range(150):
+            if not torch.equal(lin(xl[i]), want_l[i]) or not torch.equal(moe(xm[i]), want_m[i]):
+                bad.append(i)
+                return
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not bad
