@@ -6,6 +6,7 @@ the device do not keep a 90% hit rate.
 
 Usage: python bench/exp_regimes.py [--quick] [--jobs 2] [--outdir bench/results]
 """
+import functools
 import sys
 import time
 
@@ -68,7 +69,6 @@ def label(p, f):
 
 
 def main(argv=None):
-    global _INPUTS
     ap = ec.parser(jobs=True)
     a = ap.parse_args(argv)
     started = time.time()
@@ -76,18 +76,45 @@ def main(argv=None):
     batches = [1, 16] if a.quick else [1, 4, 16, 64, 256, 512]
     configs = ([("lru", "none")] + [("belady", "none")]) if a.quick else ONLINE + BOUNDS
     ins = inputs(a.quick)
-    _INPUTS = {n: (tr, fit) for n, tr, fit, _ in ins}
-    jobs = [(n, p, f, c, b) for n, *_ in ins for p, f in configs for c in caps for b in batches]
-    # Largest jobs (batch 1) first keeps both workers busy to the end.
-    order = sorted(range(len(jobs)), key=lambda i: jobs[i][4])
-    res = ec.pmap(_job, [jobs[i] for i in order], a.jobs, desc="regime sweep")
-    rows = [None] * len(jobs)
-    for i, r in zip(order, res):
-        rows[i] = r
+    rows = sweep(ins, configs, caps, batches, a.jobs)
     rep = ec.Report("exp_regimes", a.outdir, "python bench/exp_regimes.py" + (" --quick" if a.quick else ""),
                     "Experiment 1: regime sweep - batch size x device capacity x policy", started)
     rep.data.update({"rows": rows, "inputs": {n: note for n, _, _, note in ins}, "profile": "h200", "caps": caps,
                      "batches": batches})
+    report_inputs(rep, ins)
+    # Hit rate comparisons leave hybrid out: it computes misses on the host rather than hitting more.
+    online = [label(p, f) for p, f in configs if (p, f) not in BOUNDS and f != "hybrid"]
+    get = functools.partial(lookup, rows)
+    report_stops(rep, ins, get, online, caps, batches)
+    for n, *_ in ins:
+        report_trace(rep, n, get, configs, caps, batches)
+    fig = plot(ins, get, online, configs, caps, batches)
+    return rep.finish(fig, "hit rate and unique experts vs batch")
+
+
+def sweep(ins, configs, caps, batches, n_jobs: int) -> list:
+    """Every (trace, config, capacity, batch) replayed, in ``n_jobs`` processes: rows in that order."""
+    global _INPUTS
+    _INPUTS = {n: (tr, fit) for n, tr, fit, _ in ins}
+    jobs = [(n, p, f, c, b) for n, *_ in ins for p, f in configs for c in caps for b in batches]
+    # Largest jobs (batch 1) first keeps both workers busy to the end.
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][4])
+    res = ec.pmap(_job, [jobs[i] for i in order], n_jobs, desc="regime sweep")
+    rows = [None] * len(jobs)
+    for i, r in zip(order, res):
+        rows[i] = r
+    return rows
+
+
+def lookup(rows, tr, cfg, cap, b, key="hit_device"):
+    """``key`` of the row of trace ``tr``, config label ``cfg``, capacity ``cap`` and batch ``b`` (None if none)."""
+    for r in rows:
+        if r["trace"] == tr and label(r["policy"], r["prefetch"]) == cfg and r["capacity"] == cap and r["batch"] == b:
+            return r[key]
+    return None
+
+
+def report_inputs(rep, ins) -> None:
     rep.add("Inputs:", "")
     for n, tr, _, note in ins:
         rep.add(f"- **{n}**: {note}; {tr.num_tokens:,} tokens, {tr.num_sequences} sequences, {tr.num_layers} layers x "
@@ -97,16 +124,11 @@ def main(argv=None):
             "(cache_policy/profiles/h200.json, figures from ../shared/hardware/h200-anchors.json) with each trace's "
             "own expert size in bf16. `belady` (MIN) and `lru+oracle` (perfect next-layer prefetch) are bounds, not "
             "policies; Belady is the bound of demand-only policies, so a policy with prefetch can exceed it. Effective batch: a trace with fewer sequences than the batch size runs all of them at once.", "")
-    # Hit rate comparisons leave hybrid out: it computes misses on the host rather than hitting more.
-    online = [label(p, f) for p, f in configs if (p, f) not in BOUNDS and f != "hybrid"]
 
-    def get(tr, cfg, cap, b, key="hit_device"):
-        for r in rows:
-            if r["trace"] == tr and label(r["policy"], r["prefetch"]) == cfg and r["capacity"] == cap and r["batch"] == b:
-                return r[key]
-        return None
 
-    # Where tiering stops paying.
+def report_stops(rep, ins, get, online, caps, batches) -> None:
+    """Where tiering stops paying: per trace, the smallest batch at which half the experts on the device no longer
+    keep a 90% hit rate."""
     rep.add("## Where tiering stops paying", "",
             "Device hit rate with half the experts on the device (best online policy, and the Belady bound); "
             "**b\\*** = the smallest batch at which no online policy keeps 90% with 50% of the experts on the "
@@ -124,24 +146,31 @@ def main(argv=None):
                           f"{bstar}" if bstar is not None else f"> {batches[-1]}"])
     rep.table(head, stop_rows)
     rep.data["tiering_stops_paying_batch"] = stops
-    for n, *_ in ins:
-        rep.add(f"## {n}", "")
-        for cap in caps:
-            rep.add(f"Device hit rate / projected tokens/s (h200), device tier = {cap:.0%} of experts:", "")
-            rep.table(["policy"] + [f"b={b}" for b in batches],
-                      [[label(p, f)] + [f"{get(n, label(p, f), cap, b):.3f} / "
-                                        f"{get(n, label(p, f), cap, b, 'projected_tokens_per_s'):.1f}" for b in batches]
-                       for p, f in configs])
-        c0 = caps[len(caps) // 2]
-        rep.add(f"LRU at {c0:.0%}: unique experts per layer per step, host->device bytes per token, projected "
-                f"tokens/s (h200) vs all experts resident:", "")
-        rep.table(["batch", "effective batch", "unique experts/layer/step", "h2d bytes/token", "projected tok/s",
-                   "all resident tok/s", "ratio"],
-                  [[b, get(n, "lru", c0, b, "effective_batch"), get(n, "lru", c0, b, "unique_per_layer_step"),
-                    f"{get(n, 'lru', c0, b, 'h2d_bytes_per_token'):,.0f}", get(n, "lru", c0, b, "projected_tokens_per_s"),
-                    get(n, "lru", c0, b, "all_resident_tokens_per_s"),
-                    get(n, "lru", c0, b, "projected_tokens_per_s") / get(n, "lru", c0, b, "all_resident_tokens_per_s")]
-                   for b in batches])
+
+
+def report_trace(rep, n, get, configs, caps, batches) -> None:
+    """One trace's tables: hit rate / projected tokens/s per capacity, and LRU's bytes and unique experts."""
+    rep.add(f"## {n}", "")
+    for cap in caps:
+        rep.add(f"Device hit rate / projected tokens/s (h200), device tier = {cap:.0%} of experts:", "")
+        rep.table(["policy"] + [f"b={b}" for b in batches],
+                  [[label(p, f)] + [f"{get(n, label(p, f), cap, b):.3f} / "
+                                    f"{get(n, label(p, f), cap, b, 'projected_tokens_per_s'):.1f}" for b in batches]
+                   for p, f in configs])
+    c0 = caps[len(caps) // 2]
+    rep.add(f"LRU at {c0:.0%}: unique experts per layer per step, host->device bytes per token, projected "
+            f"tokens/s (h200) vs all experts resident:", "")
+    rep.table(["batch", "effective batch", "unique experts/layer/step", "h2d bytes/token", "projected tok/s",
+               "all resident tok/s", "ratio"],
+              [[b, get(n, "lru", c0, b, "effective_batch"), get(n, "lru", c0, b, "unique_per_layer_step"),
+                f"{get(n, 'lru', c0, b, 'h2d_bytes_per_token'):,.0f}", get(n, "lru", c0, b, "projected_tokens_per_s"),
+                get(n, "lru", c0, b, "all_resident_tokens_per_s"),
+                get(n, "lru", c0, b, "projected_tokens_per_s") / get(n, "lru", c0, b, "all_resident_tokens_per_s")]
+               for b in batches])
+
+
+def plot(ins, get, online, configs, caps, batches):
+    """Hit rate (best online policy per capacity, and Belady) and unique experts per layer per step vs batch."""
     plt = ec.pyplot()
     fig, axes = plt.subplots(2, len(ins), figsize=(4.2 * len(ins), 7.5), squeeze=False)
     for j, (n, tr, *_ ) in enumerate(ins):
@@ -167,7 +196,7 @@ def main(argv=None):
         ax.set_xlabel("batch")
         ax.set_ylabel(f"unique experts per layer per step (of {tr.num_experts})")
     fig.suptitle("Regime sweep: hit rate vs batch size (red: 90%)", fontsize=10)
-    return rep.finish(fig, "hit rate and unique experts vs batch")
+    return fig
 
 
 if __name__ == "__main__":

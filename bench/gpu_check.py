@@ -82,20 +82,51 @@ def main():
         raise SystemExit("gpu_check: no CUDA device here; run it on the lent GPU machine (or --dry-run)")
     dev = "cpu" if dry else "cuda"
     clock = Clock(not dry)
-    from runtime.store import ExpertStore, Manifest, StoreWriter
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     R = {"gpu": "dry run (cpu)" if dry else torch.cuda.get_device_name(0), "torch": torch.__version__}
-    MiB = 2 ** 20
     # 1. pinned peak
+    peak = pinned_peak(clock, dev, dry)
+    R["pinned_peak_GBps"] = round(peak, 1)
+    # 2. streaming experts
+    work = tempfile.mkdtemp(prefix="tiered-moe-gpu-")
+    gbps = store_stream(clock, work, dev, dry)
+    R["store_stream_GBps"] = round(gbps, 1)
+    R["store_stream_vs_peak"] = round(gbps / peak, 3)
+    R["store_stream_goal_met"] = gbps >= 0.85 * peak
+    # 3. decode step with prefetch
+    store = build_decode_store(work, dry)
+    compute, R["decode"] = decode_check(store, dev, dry, gbps)
+    # 4. quantized experts: dequantize + matmul vs the transfer saved
+    R["quantized"] = quantized_check(clock, dev, dry, gbps)
+    # 5. hybrid execution: transfer-only vs the cost model's split vs all resident, batch 1
+    R["hybrid"] = hybrid_check(store, dev, dry, compute)
+    # 6. hybrid attention on the device against the CPU
+    R["hybrid_attention"] = hybrid_attention_check(work, dev)
+    # 8. tensor parallelism (issue 20): as many ranks as GPUs, at least 2 (one GPU is shared by the ranks, over
+    # gloo); 25% of the experts per rank as slices; against one process: tokens, bytes per rank, speed
+    R["tensor_parallel"] = tensor_parallel_check(store, dry)
+    # 7. cuda tests
+    R["cuda_tests"] = cuda_tests(dry)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check_dry_run.json" if dry else "gpu_check.json"), "w") as f:
+        json.dump(R, f, indent=1)
+    print(json.dumps(R, indent=1))
+
+
+def pinned_peak(clock: Clock, dev: str, dry: bool) -> float:
+    """1. GB/s of one large pinned host->device copy."""
+    MiB = 2 ** 20
     n = (8 if dry else 512) * MiB
     src = torch.empty(n, dtype=torch.uint8, pin_memory=not dry).random_(0, 255)
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
-    peak = n / clock.time(lambda: dst.copy_(src, non_blocking=True), 6) / 1e9
-    R["pinned_peak_GBps"] = round(peak, 1)
-    src = dst = None   # free them (the copy above is done)
-    # 2. streaming experts (DeepSeek-V2-Lite-sized bf16 experts: 2048 x 1408 SwiGLU, ~17 MB)
+    return n / clock.time(lambda: dst.copy_(src, non_blocking=True), 6) / 1e9
+
+
+def store_stream(clock: Clock, work: str, dev: str, dry: bool) -> float:
+    """2. GB/s of experts streamed through ExpertStore (DeepSeek-V2-Lite-sized bf16 experts: 2048 x 1408
+    SwiGLU, ~17 MB)."""
+    from runtime.store import ExpertStore, Manifest, StoreWriter
     from runtime.quant import expert_weight_specs, get_format
-    work = tempfile.mkdtemp(prefix="tiered-moe-gpu-")
     L, E, H, I = (2, 8, 256, 128) if dry else (2, 32, 2048, 1408)
     sdir = os.path.join(work, "stream")
     w = StoreWriter(sdir, model="gpu-check", num_layers=L, num_experts=E,
@@ -116,13 +147,11 @@ def main():
                     st.request(l, list(range(e0, e0 + 4)), rep * 100 + l * 10 + e0).wait()
         clock.sync()
         dt = time.perf_counter() - t0
-        gbps = (st.stats.bytes["host_to_device"] - moved0) / dt / 1e9
-    R["store_stream_GBps"] = round(gbps, 1)
-    R["store_stream_vs_peak"] = round(gbps / peak, 3)
-    R["store_stream_goal_met"] = gbps >= 0.85 * peak
-    # 3. decode step with prefetch
-    from runtime.engine import Engine, SamplingParams
-    from runtime.model import load_model
+        return (st.stats.bytes["host_to_device"] - moved0) / dt / 1e9
+
+
+def build_decode_store(work: str, dry: bool) -> str:
+    """The synthetic model of steps 3, 5 and 8, converted: its store's path."""
     from runtime.model.convert import convert
     from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
     # 4 layers x 16 experts of 12.6 MB (fp32): ~0.8 GB to write, small enough for a short device session.
@@ -131,29 +160,43 @@ def main():
     hf, store = os.path.join(work, "hf"), os.path.join(work, "store")
     build_checkpoint(hf, spec)
     convert(hf, store)
-    m = Manifest.read(store)
+    return store
 
-    def run(frac, prefetch, **kw):
-        model, st = load_model(store, expert_budget=max(2, int(frac * m.num_layers * m.num_experts)) * m.blob_stride,
-                               device=dev, **kw)
-        try:
-            eng = Engine(model, st, max_batch=1, prefill_chunk=8, prefetch=prefetch)
-            eng.add_request(list(range(8)), SamplingParams(max_tokens=16 if dry else 48, ignore_eos=True))
-            eng.run()
-            dec = [s for s in eng.steps if s.tokens == 1][4:]
-            return (sum(s.seconds for s in dec) / len(dec), sum(s.bytes["host_to_device"] for s in dec) / len(dec))
-        finally:
-            st.close()
-    compute, _ = run(1.0, "none")
-    step, moved = run(0.25, "lookahead")
+
+def decode_run(store: str, dev: str, dry: bool, frac: float, prefetch: str, **kw) -> "tuple[float, float]":
+    """Batch-1 decode with ``frac`` of the experts on the device: (seconds, host->device bytes) per step, the
+    first decode steps left out."""
+    from runtime.engine import Engine, SamplingParams
+    from runtime.model import load_model
+    from runtime.store import Manifest
+    m = Manifest.read(store)
+    model, st = load_model(store, expert_budget=max(2, int(frac * m.num_layers * m.num_experts)) * m.blob_stride,
+                           device=dev, **kw)
+    try:
+        eng = Engine(model, st, max_batch=1, prefill_chunk=8, prefetch=prefetch)
+        eng.add_request(list(range(8)), SamplingParams(max_tokens=16 if dry else 48, ignore_eos=True))
+        eng.run()
+        dec = [s for s in eng.steps if s.tokens == 1][4:]
+        return (sum(s.seconds for s in dec) / len(dec), sum(s.bytes["host_to_device"] for s in dec) / len(dec))
+    finally:
+        st.close()
+
+
+def decode_check(store: str, dev: str, dry: bool, gbps: float) -> "tuple[float, dict]":
+    """3. Decode step with lookahead prefetch vs max(compute, transfer): (all-resident step seconds, the report)."""
+    compute, _ = decode_run(store, dev, dry, 1.0, "none")
+    step, moved = decode_run(store, dev, dry, 0.25, "lookahead")
     transfer = moved / (gbps * 1e9)
-    R["decode"] = {"compute_ms": compute * 1e3, "transfer_ms": transfer * 1e3, "step_ms_with_prefetch": step * 1e3,
-                   "ratio_to_max": step / max(compute, transfer), "goal_met": step <= 1.15 * max(compute, transfer)}
-    # 4. quantized experts: dequantize + matmul vs the transfer saved
-    from runtime.quant import ExpertCodec
+    return compute, {"compute_ms": compute * 1e3, "transfer_ms": transfer * 1e3, "step_ms_with_prefetch": step * 1e3,
+                     "ratio_to_max": step / max(compute, transfer), "goal_met": step <= 1.15 * max(compute, transfer)}
+
+
+def quantized_check(clock: Clock, dev: str, dry: bool, gbps: float) -> dict:
+    """4. Dequantize (+ one-token matmul) of a K3-shaped expert per format vs the transfer it saves over bf16."""
+    from runtime.quant import ExpertCodec, expert_weight_specs, get_format
     Hq, Iq = (256, 128) if dry else (3584, 3072)
     bf16_bytes = 3 * Hq * Iq * 2
-    R["quantized"] = {"expert_shape": f"{Hq} x {Iq} SwiGLU"}
+    out = {"expert_shape": f"{Hq} x {Iq} SwiGLU"}
     for name in ("mxfp4", "int4", "fp8"):
         fmt = get_format({"fp8": "fp8_e4m3"}.get(name, name))
         specs = expert_weight_specs(Hq, Iq, fmt)
@@ -171,12 +214,17 @@ def main():
         deq = clock.time(lambda: codec.weights(views), 10)
         full = clock.time(expert, 10)
         saved = (bf16_bytes - qbytes) / (gbps * 1e9)
-        R["quantized"][name] = {"bytes": qbytes, "dequant_us": deq * 1e6, "dequant_plus_matmul_us": full * 1e6,
-                                "transfer_saved_us": saved * 1e6, "dequant_vs_saved": deq / saved,
-                                "goal_met": deq <= 0.5 * saved}
-    # 5. hybrid execution: transfer-only vs the cost model's split vs all resident, batch 1
-    moved_only, _ = run(0.25, "none")
-    hybrid, hybrid_moved = run(0.25, "none", cpu_experts="auto", profile="h200")
+        out[name] = {"bytes": qbytes, "dequant_us": deq * 1e6, "dequant_plus_matmul_us": full * 1e6,
+                     "transfer_saved_us": saved * 1e6, "dequant_vs_saved": deq / saved,
+                     "goal_met": deq <= 0.5 * saved}
+    return out
+
+
+def hybrid_check(store: str, dev: str, dry: bool, compute: float) -> dict:
+    """5. Batch-1 decode, transfer-only vs hybrid (some misses on the host CPU) vs all resident (``compute``); one
+    K3-shaped bf16 expert on the host CPU against the h200 profile's prediction."""
+    moved_only, _ = decode_run(store, dev, dry, 0.25, "none")
+    hybrid, hybrid_moved = decode_run(store, dev, dry, 0.25, "none", cpu_experts="auto", profile="h200")
     from cache_policy.cost_model import expert_params, load_profile
     Hk, Ik = (256, 128) if dry else (3584, 3072)
     g = torch.Generator().manual_seed(0)
@@ -189,12 +237,16 @@ def main():
         return (torch.nn.functional.silu(h[:, :Ik]) * h[:, Ik:]) @ wd
     host_s = Clock(False).time(host_expert, 20)
     pred = float(load_profile("h200").host_compute_seconds(1, expert_params(Hk, Ik)))
-    R["hybrid"] = {"transfer_only_ms": moved_only * 1e3, "hybrid_ms": hybrid * 1e3, "resident_ms": compute * 1e3,
-                   "hybrid_h2d_MB_per_step": hybrid_moved / 1e6, "hybrid_vs_transfer_only": moved_only / hybrid,
-                   "host_threads": torch.get_num_threads(), "host_expert_us_measured": host_s * 1e6,
-                   "host_expert_us_predicted": pred * 1e6, "prediction_within_25pct": abs(host_s - pred) <= 0.25 * host_s}
-    # 6. hybrid attention on the device against the CPU
-    from runtime.model import Sequence
+    return {"transfer_only_ms": moved_only * 1e3, "hybrid_ms": hybrid * 1e3, "resident_ms": compute * 1e3,
+            "hybrid_h2d_MB_per_step": hybrid_moved / 1e6, "hybrid_vs_transfer_only": moved_only / hybrid,
+            "host_threads": torch.get_num_threads(), "host_expert_us_measured": host_s * 1e6,
+            "host_expert_us_predicted": pred * 1e6, "prediction_within_25pct": abs(host_s - pred) <= 0.25 * host_s}
+
+
+def hybrid_attention_check(work: str, dev: str) -> dict:
+    """6. The K3-shaped synthetic model (MXFP4 experts, 25% resident) on ``dev`` against the CPU: greedy tokens
+    equal, logits of a prefill + decode within 2e-2."""
+    from runtime.model.convert import convert
     from runtime.model.synthetic import K3ShapeSpec, build_k3_checkpoint
     k3 = K3ShapeSpec(vocab_size=256, hidden_size=128, latent_size=64, expert_intermediate=64, num_layers=4,
                      num_experts=32, top_k=8, kda_heads=2, kda_head_dim=32, mla_heads=2, kv_lora_rank=32,
@@ -202,43 +254,43 @@ def main():
     k3hf, k3store = os.path.join(work, "k3-hf"), os.path.join(work, "k3-store")
     build_k3_checkpoint(k3hf, k3)
     convert(k3hf, k3store, quantize="mxfp4")
-    mk = Manifest.read(k3store)
-
-    def k3_run(device):
-        model, st = load_model(k3store, expert_budget=max(8, mk.num_layers * mk.num_experts // 4) * mk.blob_stride,
-                               device=device, dtype=torch.float32)
-        try:
-            s = Sequence()
-            prompt = list(range(1, 12))
-            logits = [model.forward([s], [prompt])[0].float().cpu()]
-            logits += [model.forward([s], [[t]])[0].float().cpu() for t in (5, 9, 40)]
-            model.release(s)
-            eng = Engine(model, st, max_batch=3, prefill_chunk=4)
-            ids = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
-                   for p in ([3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9])]
-            eng.run()
-            return torch.stack(logits), [eng.done[i].output for i in ids]
-        finally:
-            st.close()
-    dev_logits, dev_tokens = k3_run(dev)
-    cpu_logits, cpu_tokens = k3_run("cpu")
+    dev_logits, dev_tokens = k3_run(k3store, dev)
+    cpu_logits, cpu_tokens = k3_run(k3store, "cpu")
     diff = float((dev_logits - cpu_logits).abs().max())
-    R["hybrid_attention"] = {"max_logit_diff": diff, "tokens_equal": dev_tokens == cpu_tokens,
-                             "goal_met": diff <= 2e-2 and dev_tokens == cpu_tokens}
-    # 8. tensor parallelism (issue 20): as many ranks as GPUs, at least 2 (one GPU is shared by the ranks, over
-    # gloo); 25% of the experts per rank as slices; against one process: tokens, bytes per rank, speed
-    R["tensor_parallel"] = tensor_parallel_check(store, dry)
-    # 7. cuda tests
+    return {"max_logit_diff": diff, "tokens_equal": dev_tokens == cpu_tokens,
+            "goal_met": diff <= 2e-2 and dev_tokens == cpu_tokens}
+
+
+def k3_run(k3store: str, device: str) -> "tuple[torch.Tensor, list]":
+    """Logits of a prefill + three decode steps, and the greedy tokens of three requests at batch 3."""
+    from runtime.engine import Engine, SamplingParams
+    from runtime.model import Sequence, load_model
+    from runtime.store import Manifest
+    mk = Manifest.read(k3store)
+    model, st = load_model(k3store, expert_budget=max(8, mk.num_layers * mk.num_experts // 4) * mk.blob_stride,
+                           device=device, dtype=torch.float32)
+    try:
+        s = Sequence()
+        prompt = list(range(1, 12))
+        logits = [model.forward([s], [prompt])[0].float().cpu()]
+        logits += [model.forward([s], [[t]])[0].float().cpu() for t in (5, 9, 40)]
+        model.release(s)
+        eng = Engine(model, st, max_batch=3, prefill_chunk=4)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+               for p in ([3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9])]
+        eng.run()
+        return torch.stack(logits), [eng.done[i].output for i in ids]
+    finally:
+        st.close()
+
+
+def cuda_tests(dry: bool) -> str:
+    """7. The last line of pytest's summary of the cuda-marked tests."""
     if dry:
-        R["cuda_tests"] = "skipped (dry run)"
-    else:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], cwd=ROOT, capture_output=True,
-                           text=True)
-        R["cuda_tests"] = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:]
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gpu_check_dry_run.json" if dry else "gpu_check.json"), "w") as f:
-        json.dump(R, f, indent=1)
-    print(json.dumps(R, indent=1))
+        return "skipped (dry run)"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], cwd=ROOT, capture_output=True,
+                       text=True)
+    return p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:]
 
 
 def tensor_parallel_check(store: str, dry: bool) -> dict:

@@ -46,9 +46,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "results", "prefetch_pays"))
     a = ap.parse_args()
+    t0 = time.time()
+    rows = replays()
+    wall = time.time() - t0
+    with open(a.out + ".json", "w") as f:
+        json.dump(rows, f, indent=0)
+    by = {(r["trace"], r["capacity"], r["batch"], r["config"]): r for r in rows}
+    with open(a.out + ".md", "w") as f:
+        f.write("\n".join(report_lines(rows, by, wall)))
+    try:
+        plot(rows, by, a.out + ".png")
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+    print(f"wrote {a.out}.md, .json, .png in {wall / 60:.1f} min")
+
+
+def replays() -> "list[dict]":
+    """Every trace x capacity x batch x config, replayed: one row each."""
     from tqdm import tqdm
     from cache_policy.replay import ReplayConfig, replay_batch
-    t0 = time.time()
     rows = []
     jobs = [(tn, tr, fit, c, b, lab, kw) for tn, tr, fit in traces() for c in CAPS for b in BATCHES for lab, kw in CONFIGS]
     for tn, tr, fit, c, b, lab, kw in tqdm(jobs, desc="replays"):
@@ -59,10 +75,11 @@ def main():
                      "host_share": r["host_compute"]["share"], "issued": ps["issued"], "precision": ps["precision"],
                      "recall": ps["recall"], "wasted_MB_per_token": ps["wasted_bytes_per_token"] / 1e6,
                      "prediction_precision": ps["prediction_precision"], "prediction_recall": ps["prediction_recall"]})
-    wall = time.time() - t0
-    with open(a.out + ".json", "w") as f:
-        json.dump(rows, f, indent=0)
-    by = {(r["trace"], r["capacity"], r["batch"], r["config"]): r for r in rows}
+    return rows
+
+
+def report_lines(rows: list, by: dict, wall: float) -> "list[str]":
+    """The Markdown report: per trace, tokens/s per config, prefetch detail and hybrid execution."""
     worse = []
     lines = ["# Prefetch that pays, and hybrid execution\n",
              f"Command: `python bench/prefetch_pays.py` ({wall / 60:.1f} min, {time.strftime('%Y-%m-%d')}). Raw rows: "
@@ -73,67 +90,86 @@ def main():
              "(`PrefetchGate`, calibrated per rank online). `hybrid` = `--cpu-experts auto`.\n"]
     for tn in dict.fromkeys(r["trace"] for r in rows):
         lines.append(f"\n## {tn}\n")
-        head = ["capacity", "batch"] + [lab for lab, _ in CONFIGS] + ["cost >= none"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for c in CAPS:
-            for b in BATCHES:
-                none = by[(tn, c, b, "none")]["tokens_per_s"]
-                cells = [f"{float(c):.0%}", str(b)]
-                for lab, _ in CONFIGS:
-                    r = by[(tn, c, b, lab)]
-                    cells.append(f"{r['tokens_per_s']:.1f} ({r['hit_rate']:.2f})")
-                ok = all(by[(tn, c, b, f"{p}/cost")]["tokens_per_s"] >= none * (1 - 1e-9) for p in PREFETCHERS)
-                if not ok:
-                    worse.append((tn, c, b))
-                cells.append("yes" if ok else "**no**")
-                lines.append("| " + " | ".join(cells) + " |")
-        lines.append("\nPrefetch detail: experts issued, precision (used / issued), recall (used / (used + "
-                     "device misses)), MB wasted per token; predictor precision/recall over all its predictions.\n")
-        lines.append("| capacity | batch | prefetcher | issued | precision | recall | wasted MB/token | "
-                     "predictor precision | predictor recall |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
-        f2 = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-        for c in CAPS:
-            for b in BATCHES:
-                for lab in [lab for lab, kw in CONFIGS if kw.get("prefetch")]:
-                    r = by[(tn, c, b, lab)]
-                    lines.append(f"| {float(c):.0%} | {b} | {lab} | {r['issued']:,} | {f2(r['precision'])} | {f2(r['recall'])} | "
-                                 f"{r['wasted_MB_per_token']:.1f} | {f2(r['prediction_precision'])} | "
-                                 f"{f2(r['prediction_recall'])} |")
-        lines.append("\nHybrid: share of needed experts computed on the host, bytes moved per token.\n")
-        lines.append("| capacity | batch | lru tok/s | hybrid tok/s | ratio | on host | MB/token lru | MB/token hybrid |")
-        lines.append("|---|---|---|---|---|---|---|---|")
-        for c in CAPS:
-            for b in BATCHES:
-                n, h = by[(tn, c, b, "none")], by[(tn, c, b, "hybrid")]
-                lines.append(f"| {float(c):.0%} | {b} | {n['tokens_per_s']:.1f} | {h['tokens_per_s']:.1f} | "
-                             f"{h['tokens_per_s'] / n['tokens_per_s']:.2f}x | {h['host_share']:.2f} | "
-                             f"{n['h2d_MB_per_token']:.0f} | {h['h2d_MB_per_token']:.0f} |")
+        lines += tokens_table(tn, by, worse)
+        lines += prefetch_table(tn, by)
+        lines += hybrid_table(tn, by)
     lines.append(f"\nCost rule never worse than no prefetch: {'every cell' if not worse else 'fails at ' + str(worse)}.\n")
-    with open(a.out + ".md", "w") as f:
-        f.write("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-        for ax, tn in zip(axes, dict.fromkeys(r["trace"] for r in rows)):
-            xs = [(c, b) for c in CAPS for b in BATCHES]
+    return lines
+
+
+def tokens_table(tn: str, by: dict, worse: list) -> "list[str]":
+    """Projected tokens/s (hit rate) per config; the cells where a cost-ruled prefetcher lost go to ``worse``."""
+    head = ["capacity", "batch"] + [lab for lab, _ in CONFIGS] + ["cost >= none"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in CAPS:
+        for b in BATCHES:
+            none = by[(tn, c, b, "none")]["tokens_per_s"]
+            cells = [f"{float(c):.0%}", str(b)]
             for lab, _ in CONFIGS:
-                ys = [by[(tn, c, b, lab)]["tokens_per_s"] / by[(tn, c, b, "none")]["tokens_per_s"] for c, b in xs]
-                ax.plot(range(len(xs)), ys, marker="o", label=lab)
-            ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_xticks(range(len(xs)), [f"{float(c):.0%}\nb{b}" for c, b in xs], fontsize=8)
-            ax.set_ylabel("projected tok/s vs no prefetch")
-            ax.set_yscale("log")
-            ax.set_title(tn, fontsize=10)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(a.out + ".png", dpi=110)
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
-    print(f"wrote {a.out}.md, .json, .png in {wall / 60:.1f} min")
+                r = by[(tn, c, b, lab)]
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['hit_rate']:.2f})")
+            ok = all(by[(tn, c, b, f"{p}/cost")]["tokens_per_s"] >= none * (1 - 1e-9) for p in PREFETCHERS)
+            if not ok:
+                worse.append((tn, c, b))
+            cells.append("yes" if ok else "**no**")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _f2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def prefetch_table(tn: str, by: dict) -> "list[str]":
+    """Per prefetching config: issued, precision, recall, waste, and the predictor's own precision / recall."""
+    lines = ["\nPrefetch detail: experts issued, precision (used / issued), recall (used / (used + "
+             "device misses)), MB wasted per token; predictor precision/recall over all its predictions.\n",
+             "| capacity | batch | prefetcher | issued | precision | recall | wasted MB/token | "
+             "predictor precision | predictor recall |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in CAPS:
+        for b in BATCHES:
+            for lab in [lab for lab, kw in CONFIGS if kw.get("prefetch")]:
+                r = by[(tn, c, b, lab)]
+                lines.append(f"| {float(c):.0%} | {b} | {lab} | {r['issued']:,} | {_f2(r['precision'])} | "
+                             f"{_f2(r['recall'])} | {r['wasted_MB_per_token']:.1f} | {_f2(r['prediction_precision'])} | "
+                             f"{_f2(r['prediction_recall'])} |")
+    return lines
+
+
+def hybrid_table(tn: str, by: dict) -> "list[str]":
+    """Hybrid execution against plain LRU: tokens/s, share computed on the host, bytes moved per token."""
+    lines = ["\nHybrid: share of needed experts computed on the host, bytes moved per token.\n",
+             "| capacity | batch | lru tok/s | hybrid tok/s | ratio | on host | MB/token lru | MB/token hybrid |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in CAPS:
+        for b in BATCHES:
+            n, h = by[(tn, c, b, "none")], by[(tn, c, b, "hybrid")]
+            lines.append(f"| {float(c):.0%} | {b} | {n['tokens_per_s']:.1f} | {h['tokens_per_s']:.1f} | "
+                         f"{h['tokens_per_s'] / n['tokens_per_s']:.2f}x | {h['host_share']:.2f} | "
+                         f"{n['h2d_MB_per_token']:.0f} | {h['h2d_MB_per_token']:.0f} |")
+    return lines
+
+
+def plot(rows: list, by: dict, path: str) -> None:
+    """Projected tokens/s of every config relative to no prefetch, per trace (ImportError without matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, tn in zip(axes, dict.fromkeys(r["trace"] for r in rows)):
+        xs = [(c, b) for c in CAPS for b in BATCHES]
+        for lab, _ in CONFIGS:
+            ys = [by[(tn, c, b, lab)]["tokens_per_s"] / by[(tn, c, b, "none")]["tokens_per_s"] for c, b in xs]
+            ax.plot(range(len(xs)), ys, marker="o", label=lab)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(xs)), [f"{float(c):.0%}\nb{b}" for c, b in xs], fontsize=8)
+        ax.set_ylabel("projected tok/s vs no prefetch")
+        ax.set_yscale("log")
+        ax.set_title(tn, fontsize=10)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

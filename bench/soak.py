@@ -163,19 +163,80 @@ def client_loop(srv, stats: Stats, deadline: float, seed: int) -> None:
             stats.add(kind, f"client error {type(e).__name__}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--fault-every", type=float, default=90.0, help="seconds between injected engine faults")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "soak.md"))
     ap.add_argument("--workdir", default=None)
-    a = ap.parse_args()
-    work = a.workdir or tempfile.mkdtemp(prefix="tiered-moe-soak-")
+    return ap.parse_args()
+
+
+def prepare_store(work: str) -> str:
+    """The demo's synthetic checkpoint, converted under ``work`` (kept if it is current)."""
     hf, store = os.path.join(work, "hf"), os.path.join(work, "store")
     if not Manifest.current(store):
         build_checkpoint(hf, SyntheticModelSpec())
         convert(hf, store)
+    return store
+
+
+def sampler(srv, stop: threading.Event, peaks: dict, drops: list) -> None:
+    """Every second: the peak RSS of both processes, and every counter of /metrics that went backwards."""
+    high: dict = {}
+    while not stop.is_set():
+        peaks["front_end"] = max(peaks["front_end"], rss(os.getpid()))
+        p = srv.engine.proc
+        if p is not None:
+            peaks["engine"] = max(peaks["engine"], rss(p.pid))
+        try:
+            now = counters(srv)
+        except OSError:
+            now = {}
+        for k, v in now.items():
+            if v < high.get(k, 0.0):
+                drops.append({"series": k, "from": high[k], "to": v})
+            high[k] = max(high.get(k, 0.0), v)
+        stop.wait(1.0)
+
+
+def faulter(srv, stop: threading.Event, every: float, started: float, faults: list) -> None:
+    """Every ``every`` seconds, a live engine gets SIGKILL or (alternately) SIGSTOP."""
+    n = 0
+    while not stop.wait(every):
+        p = srv.engine.proc
+        if p is None or p.poll() is not None or not srv.engine.alive:
+            continue
+        sig = signal.SIGKILL if n % 2 == 0 else signal.SIGSTOP
+        os.kill(p.pid, sig)
+        faults.append({"t": round(time.time() - started, 1), "signal": sig.name})
+        n += 1
+
+
+def run_traffic(srv, a, stats: Stats, deadline: float, peaks: dict, drops: list, faults: list) -> None:
+    """The sampler, the faulter and the clients until the deadline (the clients' requests then finish)."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=sampler, args=(srv, stop, peaks, drops), daemon=True),
+               threading.Thread(target=faulter, args=(srv, stop, a.fault_every, deadline - 60 * a.minutes, faults),
+                                daemon=True)]
+    threads += [threading.Thread(target=client_loop, args=(srv, stats, deadline, i), daemon=True) for i in range(a.clients)]
+    from tqdm import tqdm
+    for t in threads:
+        t.start()
+    with tqdm(total=int(60 * a.minutes), desc="soak", unit="s") as bar:
+        while time.time() < deadline:
+            time.sleep(1)
+            bar.update(1)
+    for t in threads[2:]:
+        t.join(180)
+    stop.set()
+
+
+def main() -> None:
+    a = parse_args()
+    work = a.workdir or tempfile.mkdtemp(prefix="tiered-moe-soak-")
+    store = prepare_store(work)
     m = Manifest.read(store)
     budgets = {"expert_budget": 64 * m.blob_stride, "host_budget": None, "kv_cache_budget": 64 * MiB}
     cfg = EngineConfig(model=store, expert_budget=budgets["expert_budget"], kv_cache_budget=budgets["kv_cache_budget"],
@@ -190,49 +251,8 @@ def main() -> None:
     drops: list = []
     deadline = time.time() + 60 * a.minutes
     peaks = {"front_end": 0, "engine": 0}
-    faults = []
-    stop = threading.Event()
-
-    def sampler():
-        high: dict = {}
-        while not stop.is_set():
-            peaks["front_end"] = max(peaks["front_end"], rss(os.getpid()))
-            p = srv.engine.proc
-            if p is not None:
-                peaks["engine"] = max(peaks["engine"], rss(p.pid))
-            try:
-                now = counters(srv)
-            except OSError:
-                now = {}
-            for k, v in now.items():
-                if v < high.get(k, 0.0):
-                    drops.append({"series": k, "from": high[k], "to": v})
-                high[k] = max(high.get(k, 0.0), v)
-            stop.wait(1.0)
-
-    def faulter():
-        n = 0
-        while not stop.wait(a.fault_every):
-            p = srv.engine.proc
-            if p is None or p.poll() is not None or not srv.engine.alive:
-                continue
-            sig = signal.SIGKILL if n % 2 == 0 else signal.SIGSTOP
-            os.kill(p.pid, sig)
-            faults.append({"t": round(time.time() - (deadline - 60 * a.minutes), 1), "signal": sig.name})
-            n += 1
-
-    threads = [threading.Thread(target=sampler, daemon=True), threading.Thread(target=faulter, daemon=True)]
-    threads += [threading.Thread(target=client_loop, args=(srv, stats, deadline, i), daemon=True) for i in range(a.clients)]
-    from tqdm import tqdm
-    for t in threads:
-        t.start()
-    with tqdm(total=int(60 * a.minutes), desc="soak", unit="s") as bar:
-        while time.time() < deadline:
-            time.sleep(1)
-            bar.update(1)
-    for t in threads[2:]:
-        t.join(180)
-    stop.set()
+    faults: list = []
+    run_traffic(srv, a, stats, deadline, peaks, drops, faults)
     restarts = srv.engine.restarts
     health = srv.engine.alive
     kv_bytes = 64 * MiB
@@ -259,16 +279,30 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
         json.dump(R, f, indent=1)
+    L = report_lines(R, a, m, kv_bytes)
+    with open(a.out, "w") as f:
+        f.write("\n".join(L) + "\n")
+    print("\n".join(L))
+
+
+def report_lines(R: dict, a, m, kv_bytes: int) -> "list[str]":
+    """The Markdown report of the soak's results ``R``."""
+    from runtime.serve.api import MAX_BODY
+    allowed, goals, peaks, lat = R["allowed_rss_bytes"], R["rss_goals_met"], R["peak_rss_bytes"], R["latency_s"]
+    floor, dense, front_start = R["runtime_floor_bytes"], R["dense_bytes"], R["front_end_start_bytes"]
+    restarts, budgets, host_all = R["engine_restarts"], R["budgets"], R["budgets"]["expert_bytes_all_in_host"]
     L = ["# Soak: mixed traffic with injected engine faults\n",
          f"Command: `python bench/soak.py --minutes {a.minutes:g}`\n",
          f"Machine: {platform.machine()}, {os.cpu_count()} cores. Server: the demo's synthetic checkpoint "
          f"({m.num_layers} layers x {m.num_experts} experts of {m.blob_bytes:,} bytes), device tier 64 experts, every "
-         f"expert in host memory ({R['budgets']['expert_bytes_all_in_host'] / MiB:.0f} MiB), KV cache budget "
+         f"expert in host memory ({host_all / MiB:.0f} MiB), KV cache budget "
          f"{kv_bytes / MiB:.0f} MiB, max batch 8, socket timeout 15 s, heartbeat timeout 5 s; {a.clients} client "
          f"threads on loopback; an engine fault every {a.fault_every:g} s (SIGKILL and SIGSTOP alternately).\n",
-         f"- requests: {total:,}, served OK: {served:,}",
-         f"- engine faults injected: {len(faults)}; restarts: {restarts}; engine up at the end: {health}",
-         f"- latency of successful short/long completions: p50 {pct(0.5):.2f} s, p99 {pct(0.99):.2f} s ({len(lat)} requests)",
+         f"- requests: {R['requests']:,}, served OK: {R['served_ok']:,}",
+         f"- engine faults injected: {len(R['faults_injected'])}; restarts: {restarts}; engine up at the end: "
+         f"{R['engine_alive_at_end']}",
+         f"- latency of successful short/long completions: p50 {lat['p50']:.2f} s, p99 {lat['p99']:.2f} s "
+         f"({lat['n']} requests)",
          f"- **engine peak RSS {peaks['engine'] / MiB:.0f} MiB, allowed {allowed['engine'] / MiB:.0f} MiB: "
          f"{'met' if goals['engine'] else 'NOT met'}** (runtime floor {floor / MiB:.0f} + dense {dense / MiB:.0f} + host "
          f"tier {host_all / MiB:.0f} + device slots {budgets['expert_budget'] / MiB:.0f} + KV {kv_bytes / MiB:.0f} + "
@@ -277,17 +311,15 @@ def main() -> None:
          f"{'met' if goals['front_end'] else 'NOT met'}** (its RSS once serving {front_start / MiB:.0f} + {a.clients} "
          f"bodies of {MAX_BODY / MiB:.0f} MiB + margin {FRONT_MARGIN / MiB:.0f} MiB; this process also runs the client "
          f"threads)",
-         f"- **counters that went backwards: {len(drops)}** (every `_total` / `_count` / `_sum` series of /metrics, "
-         f"scraped each second across {restarts} engine restarts)\n",
+         f"- **counters that went backwards: {len(R['counter_drops'])}** (every `_total` / `_count` / `_sum` series of "
+         f"/metrics, scraped each second across {restarts} engine restarts)\n",
          "| request kind: outcome | count |", "|---|---|"]
     L += [f"| {k} | {v} |" for k, v in R["outcomes"].items()]
     L.append("\nOutcomes: `ok`; `400 None`: refused hostile input (the OpenAI error object); `503 engine_unavailable`: "
              "in flight while the engine was killed or frozen (the supervisor restarted it); `500 engine_error`: "
              "failed in the engine; `stream_error_event`: a stream cut by an engine fault ends with an error event; "
              "`client_left`: the client disconnected on purpose (the server aborts its request).")
-    with open(a.out, "w") as f:
-        f.write("\n".join(L) + "\n")
-    print("\n".join(L))
+    return L
 
 
 if __name__ == "__main__":
