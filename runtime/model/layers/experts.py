@@ -93,7 +93,7 @@ class ExpertExecutor:
         # Half-precision experts computed in float32 by the reference path (a CPU): keep converted
         # copies of as many experts as the device tier holds, so an expert is widened once, not at
         # every step. The kernel reads them as stored: no copies.
-        if self.codec.widen and not isinstance(self.backend, HostKernelExperts):
+        if self.codec.widen and not self.backend.reads_stored_bytes:
             slots = store.capacity_bytes()["device"] // store.m.blob_stride
             self.codec.cache_bytes = slots * self.codec.operand_bytes
 
@@ -136,6 +136,8 @@ class ExpertExecutor:
 
 class HostKernelExperts:
     """A CPU with the host kernels: experts computed from their stored bytes by grouped kernel calls."""
+
+    reads_stored_bytes = True      # experts computed from their blobs as stored: no converted copies
 
     def __init__(self, ex: ExpertExecutor) -> None:
         self.ex, self.kernel = ex, ex.kernel
@@ -186,6 +188,7 @@ class TorchExperts:
     (a device that is not the CPU): hybrid execution's host experts on a CPU worker beside it."""
 
     fused = False
+    reads_stored_bytes = False     # operands converted from the blobs (kept for the device tier's experts)
 
     def __init__(self, ex: ExpertExecutor, worker: "HostWorker | None") -> None:
         self.ex, self.worker = ex, worker

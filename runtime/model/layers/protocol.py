@@ -5,8 +5,8 @@ A sublayer is built once from the config and the checkpoint's tensors, and then 
 ops, a host kernel, CUDA - is decided when it is built (vLLM's CustomOp idea), never per call.
 
 ``fused_refusal`` tells the fused CPU decode (layers/fused.py, a GQA attention + MoE layer in two host
-kernel calls) whether it can take this sublayer: None where it can, else the reason (shown by
-``MoEModel.fused_report``). Kinds the kernel covers override it; every other kind inherits the refusal."""
+kernel calls) whether it can take this sublayer: None where it can, else the reason (kept per layer
+in ``MoEModel.fused_why``). Kinds the kernel covers override it; every other kind inherits the refusal."""
 from __future__ import annotations
 
 

@@ -43,3 +43,33 @@ def test_lookahead_engine_runs_and_changes_no_token(hf_model):
         finally:
             store.close()
     assert outs[0] == outs[1], name
+
+
+def test_the_routed_hook_fires_before_the_layers_experts_compute(hf_model):
+    """The next layer's prefetch is issued from ``StepHooks.routed``: it must fire as soon as a MoE layer has
+    routed and asked for its experts, before any of them computes (so the loads overlap that compute) - in
+    prefill and in decode, fused or composed. Every expert computation (the host kernel's calls, the reference
+    path's per-expert FFN) is logged beside the hook's calls."""
+    name, ref, hf_dir, store_dir = hf_model
+    model, store = load_model(store_dir)
+    try:
+        events = []
+        ex = model.executor
+        spied = [(ex, "ffn")] + ([(ex.kernel, "run"), (ex.kernel, "run_step")] if ex.kernel is not None else [])
+        for obj, attr in spied:
+            orig = getattr(obj, attr)
+            setattr(obj, attr, lambda *a, _o=orig, **k: (events.append("compute"), _o(*a, **k))[1])
+        hooks = StepHooks(routed=lambda m, used, x: events.append(m))
+        s = Sequence()
+        for chunk in ([5, 17, 3, 60, 2, 9], [11], [12]):
+            events.clear()
+            model.forward([s], [chunk], hooks)
+            layers = [e for e in events if e != "compute"]
+            assert layers == list(range(model.cfg.num_moe_layers)), name
+            # each layer's hook, then that layer's expert computations, then the next layer's hook
+            marks = [i for i, e in enumerate(events) if e != "compute"]
+            assert marks[0] == 0, (name, events)
+            for a, b in zip(marks, marks[1:] + [len(events)]):
+                assert b - a > 1, (name, events)          # at least one computation after each hook, before the next
+    finally:
+        store.close()
