@@ -19,7 +19,6 @@ token, exactly predictable), which the synthetic traces do not model: a lower bo
 Usage: python bench/deepseek_v4.py [--quick] [--outdir bench/results]
 """
 import dataclasses
-import json
 import sys
 import time
 
@@ -43,7 +42,7 @@ GiB = 1 << 30
 def caches() -> tuple:
     """(rows, V4 config, twin config): bytes per sequence of V4-Flash and of its all-MLA twin (bf16)."""
     from runtime.model.config import MoEConfig
-    from runtime.model.layers.cache import kv_bytes_per_token, state_bytes_per_sequence
+    from runtime.model.layers.kinds import kv_bytes_per_token, state_bytes_per_sequence
     v4 = MoEConfig.from_dict(dict(FLASH))
     # The twin: the same 43 layers with DeepSeek-V3's MLA (kv_lora_rank 512, rotary 64, one cached "head" per token).
     twin = dataclasses.replace(v4, model_type="deepseek_v3", attention="mla", kv_lora_rank=512, qk_rope_head_dim=64,

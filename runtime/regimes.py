@@ -30,19 +30,11 @@ from .quant import cost_dtype
 from .store import Manifest
 
 
-def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fraction: float, requests: int,
-            prompt_len: int, max_tokens: int, profile: str, geometry: "str | None", seed: int,
-            cache_bonus: float = 0.0, schedule: str = "fcfs", dtype: "str | None" = None,
-            expert_budget_bytes: "int | None" = None, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
-    """``dtype``: the projection's expert dtype with ``geometry`` (default bf16; without a geometry the
-    store's own format and blob bytes);
-    ``expert_budget_bytes``: the device tier in bytes instead of ``device_fraction`` of the experts.
-    ``tensor_parallel`` / ``pipeline_parallel``: run the live part on a group of ranks (runtime/parallel:
-    ``device_fraction`` is then per rank, in slices, of its stage's experts) and project that layout too."""
-    m = Manifest.read(store_dir)
-    total = m.num_layers * m.num_experts
-    slots = max(1, int(round(device_fraction * total))) if expert_budget_bytes is None else \
-        max(1, min(total, expert_budget_bytes // m.blob_stride))
+def _live_run(store_dir: str, m: Manifest, slots: int, *, batch: int, policy: str, prefetch: str, requests: int,
+              prompt_len: int, max_tokens: int, seed: int, cache_bonus: float, schedule: str, tensor_parallel: int,
+              pipeline_parallel: int) -> tuple:
+    """The live engine on ``slots`` device slots (per rank, of its stage, under parallelism) ->
+    (summary, trace, host-to-device bytes per rank or None, wall seconds)."""
     group = None
     if tensor_parallel * pipeline_parallel > 1:
         stride = rank_manifest(m, Shard(0, tensor_parallel)).blob_stride if tensor_parallel > 1 else m.blob_stride
@@ -74,6 +66,48 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
         store.close()
         if group is not None:
             group.close()
+    return s, tr, per_rank, wall
+
+
+def _layout_projection(store_dir: str, tr, cfg: ReplayConfig, fraction: float, batch: int, tensor_parallel: int,
+                       pipeline_parallel: int, per_rank: list) -> dict:
+    """The recorded routing projected onto the parallel layout: per GPU the same ``fraction`` of its stage's
+    experts, as slices (what the live ranks held)."""
+    mc = MoEConfig.from_hf(store_dir)
+    # dense weights one rank reads per step (rank 0: it also holds what does not divide), per stage
+    meta = dense_shapes(store_dir)
+    dense = shard_dense(mc, shard_plan(mc, Shard(0, tensor_parallel)), dict(meta)) if tensor_parallel > 1 \
+        else dict(meta)
+    dt = meta["model.embed_tokens.weight"].dtype
+    step = []
+    for st in range(pipeline_parallel):
+        (lo, hi), _ = stage_layers(mc, pipeline_parallel, st)
+        step.append(step_dense_bytes(mc, dense, dt, set(range(lo, hi)), st == 0, st == pipeline_parallel - 1))
+    lay = project(tr, dataclasses.replace(cfg, device_capacity=repr(fraction)), batch,
+                  Layout(tensor_parallel, pipeline_parallel), hidden=mc.hidden_size,
+                  allreduces_per_layer=allreduces_per_layer(mc, tensor_parallel), dense_bytes=step)
+    return {"layout": lay["layout"], "tokens_per_s": lay["tokens_per_s"],
+            "MB_per_token_per_gpu": lay["bytes_per_token_per_gpu"] / 1e6,
+            "measured_h2d_bytes_per_token_per_rank": [b / max(1, tr.num_tokens) for b in per_rank]}
+
+
+def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fraction: float, requests: int,
+            prompt_len: int, max_tokens: int, profile: str, geometry: "str | None", seed: int,
+            cache_bonus: float = 0.0, schedule: str = "fcfs", dtype: "str | None" = None,
+            expert_budget_bytes: "int | None" = None, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> dict:
+    """``dtype``: the projection's expert dtype with ``geometry`` (default bf16; without a geometry the
+    store's own format and blob bytes);
+    ``expert_budget_bytes``: the device tier in bytes instead of ``device_fraction`` of the experts.
+    ``tensor_parallel`` / ``pipeline_parallel``: run the live part on a group of ranks (runtime/parallel:
+    ``device_fraction`` is then per rank, in slices, of its stage's experts) and project that layout too."""
+    m = Manifest.read(store_dir)
+    total = m.num_layers * m.num_experts
+    slots = max(1, int(round(device_fraction * total))) if expert_budget_bytes is None else \
+        max(1, min(total, expert_budget_bytes // m.blob_stride))
+    s, tr, per_rank, wall = _live_run(store_dir, m, slots, batch=batch, policy=policy, prefetch=prefetch,
+                                      requests=requests, prompt_len=prompt_len, max_tokens=max_tokens, seed=seed,
+                                      cache_bonus=cache_bonus, schedule=schedule, tensor_parallel=tensor_parallel,
+                                      pipeline_parallel=pipeline_parallel)
     # The projection replays the recorded routing with the same policy and (where replay has it)
     # the same prefetcher; lookahead needs hidden states, so its projection counts demand loads only.
     cfg = ReplayConfig(policy=policy, prefetch=prefetch if prefetch in ("freq", "transition") else "none",
@@ -83,25 +117,8 @@ def run_one(store_dir: str, *, batch: int, policy: str, prefetch: str, device_fr
     r = replay_batch(tr, cfg, batch)
     rh = replay_batch(tr, dataclasses.replace(cfg, cpu_experts="auto"), batch)
     need = sum(s["hits"].values())
-    layout = None
-    if group is not None:
-        # per GPU: the same fraction of its stage's experts, as slices (what the live ranks held)
-        mc = MoEConfig.from_hf(store_dir)
-        # dense weights one rank reads per step (rank 0: it also holds what does not divide), per stage
-        meta = dense_shapes(store_dir)
-        dense = shard_dense(mc, shard_plan(mc, Shard(0, tensor_parallel)), dict(meta)) if tensor_parallel > 1 \
-            else dict(meta)
-        dt = meta["model.embed_tokens.weight"].dtype
-        step = []
-        for st in range(pipeline_parallel):
-            (lo, hi), _ = stage_layers(mc, pipeline_parallel, st)
-            step.append(step_dense_bytes(mc, dense, dt, set(range(lo, hi)), st == 0, st == pipeline_parallel - 1))
-        lay = project(tr, dataclasses.replace(cfg, device_capacity=repr(slots / total)), batch,
-                      Layout(tensor_parallel, pipeline_parallel), hidden=mc.hidden_size,
-                      allreduces_per_layer=allreduces_per_layer(mc, tensor_parallel), dense_bytes=step)
-        layout = {"layout": lay["layout"], "tokens_per_s": lay["tokens_per_s"],
-                  "MB_per_token_per_gpu": lay["bytes_per_token_per_gpu"] / 1e6,
-                  "measured_h2d_bytes_per_token_per_rank": [b / max(1, tr.num_tokens) for b in per_rank]}
+    layout = None if per_rank is None else _layout_projection(store_dir, tr, cfg, slots / total, batch, tensor_parallel,
+                                                              pipeline_parallel, per_rank)
     return {
         "batch": batch, "policy": policy, "prefetch": prefetch, "device_fraction": slots / total, "device_slots": slots,
         "requests": max(requests, batch), "generated_tokens": s["generated_tokens"], "wall_seconds": wall,

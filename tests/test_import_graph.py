@@ -32,8 +32,6 @@ ALLOWED_LAZY: dict = {
         "the commands that load a model import torch; replay and trace start without it (tests/runtime/test_cli.py)",
     "runtime.cli_args -> runtime.quant":
         "convert --quantize's choices come from the format registry, which imports torch; replay's parser is this one",
-    "runtime.model.convert -> runtime.model.moe":
-        "until layers/linear.py and layers/moe_block.py take tensor names from runtime.model.names, not convert.py",
 }
 
 

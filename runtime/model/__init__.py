@@ -27,6 +27,21 @@ def rank_stride(m, shard) -> int:
     return rank_manifest(m, shard).blob_stride
 
 
+def _check_store(store_dir: str, cfg: MoEConfig, m: Manifest) -> None:
+    """The store's experts are the ones config.json describes (layers, experts, tensors, biases)."""
+    H, I = cfg.expert_in, cfg.expert_intermediate
+    want = {"gate_up": (2 * I, H), "gate": (I, H), "up": (I, H), "down": (H, I), "gate_up_bias": (2 * I,), "down_bias": (H,)}
+    got = {w.name: tuple(w.shape) for w in m.weights}
+    want = {k: v for k, v in want.items() if k in got}
+    if cfg.expert_bias != ("down_bias" in got):
+        raise ValueError(f"{store_dir}: the store's experts {'have' if 'down_bias' in got else 'lack'} biases, config.json "
+                         f"({cfg.model_type}) says the opposite: a store of another model; convert again")
+    if (m.num_layers, m.num_experts) != (cfg.num_moe_layers, cfg.num_experts) or got != want or "down" not in got:
+        raise ValueError(f"{store_dir}: the store holds {m.num_layers} MoE layers x {m.num_experts} experts {got}, "
+                         f"but config.json describes {cfg.num_moe_layers} x {cfg.num_experts} {want}: "
+                         f"a store of another model; convert again")
+
+
 def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_budget: "int | None" = None,
                kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "reuse", scope: str = "global",
                device: "str | None" = None, progress: bool = False, dtype=None, cpu_experts="0",
@@ -48,17 +63,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     the model and store hold its slice (runtime/parallel/shard.py), and every budget is the rank's."""
     cfg = MoEConfig.from_hf(store_dir)
     m = Manifest.read(store_dir)
-    H, I = cfg.expert_in, cfg.expert_intermediate
-    want = {"gate_up": (2 * I, H), "gate": (I, H), "up": (I, H), "down": (H, I), "gate_up_bias": (2 * I,), "down_bias": (H,)}
-    got = {w.name: tuple(w.shape) for w in m.weights}
-    want = {k: v for k, v in want.items() if k in got}
-    if cfg.expert_bias != ("down_bias" in got):
-        raise ValueError(f"{store_dir}: the store's experts {'have' if 'down_bias' in got else 'lack'} biases, config.json "
-                         f"({cfg.model_type}) says the opposite: a store of another model; convert again")
-    if (m.num_layers, m.num_experts) != (cfg.num_moe_layers, cfg.num_experts) or got != want or "down" not in got:
-        raise ValueError(f"{store_dir}: the store holds {m.num_layers} MoE layers x {m.num_experts} experts {got}, "
-                         f"but config.json describes {cfg.num_moe_layers} x {cfg.num_experts} {want}: "
-                         f"a store of another model; convert again")
+    _check_store(store_dir, cfg, m)
     dense = load_dense(store_dir, cfg)
     stored = dense["model.embed_tokens.weight"].dtype       # the checkpoint's dtype (before a stage drops the embedding)
     shard, moe_range = None, None

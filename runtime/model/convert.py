@@ -33,8 +33,9 @@ from cache_policy.jsonfile import read_json
 
 from .arch import module
 from .config import MoEConfig
+from .moe import dense_tensors
 # The tensor names the layers share with conversion live in names.py; importable from here as before.
-from .names import correction_bias_name, expert_names, linear_names, router_name  # noqa: F401
+from .names import expert_names
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
@@ -44,9 +45,6 @@ QUANT_METHODS = ("fp8", "compressed-tensors (pack-quantized int4)", "mxfp4")
 def dense_names(cfg: MoEConfig) -> dict:
     """Every dense tensor the model needs -> expected shape: declared by the layers that take them
     (runtime/model/moe.py ``dense_tensors``)."""
-    # Imported here while layers/linear.py and layers/moe_block.py still take tensor names from this module
-    # (moe.py imports them: a top-level import would be circular); once they import names.py, move it up.
-    from .moe import dense_tensors
     return dense_tensors(cfg)
 
 

@@ -12,7 +12,8 @@ import torch
 from cache_policy import cost_model as cm
 from cache_policy.layout import MultiGPU
 
-from .layers.cache import cache_specs, kv_block_size
+from .layers.cache import kv_block_size
+from .layers.kinds import cache_specs
 
 GPU_MEMORY_UTILIZATION = 0.9   # the share of a device --device-budget auto takes (vLLM's gpu_memory_utilization)
 

@@ -16,13 +16,12 @@ import torch
 from .. import kernels
 from .config import MoEConfig
 from .layers.attention import Attention
-from .layers.cache import (KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, cache_specs,
-                           kv_block_size, kv_bytes_per_token, kv_shape, state_bytes_per_sequence)
+from .layers.cache import KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, kv_block_size
+from .layers.kinds import attention_kind, cache_specs, kv_bytes_per_token, kv_shape, state_bytes_per_sequence
 from .layers.context import NO_HOOKS, ForwardContext, StepHooks, build_context
 from .hyper import HyperConnection
 from .layers.linear import LinearAttentionLayer
 from .layers.v4_attention import CompressedCacheSpec, V4Attention
-from .layers.mla import MLAttention
 from .layers.mlp import DenseMLP
 from .layers.experts import ExpertExecutor
 from .layers.moe_block import MoEBlock
@@ -43,15 +42,6 @@ __all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "StepH
 def fused_decode_on() -> bool:
     import os
     return os.environ.get("TIERED_MOE_FUSED_DECODE", "1") != "0"
-
-
-def attention_kind(cfg: MoEConfig, i: int):
-    """The attention class of layer ``i``: the one place the config picks it."""
-    if i in cfg.linear_layers:
-        return LinearAttentionLayer
-    if cfg.attention == "v4":
-        return V4Attention
-    return MLAttention if cfg.attention == "mla" else Attention
 
 
 def build_attention(cfg: MoEConfig, i: int, w: dict, index: dict):

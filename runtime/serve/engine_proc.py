@@ -68,8 +68,63 @@ def _rank_stats(eng, stats: dict) -> dict:
                                for s in snaps]}
 
 
-def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
+def _take_messages(pull, eng, iid_of: dict, rid_of: dict) -> "list | None":
+    """Every message waiting on ``pull`` (waits up to 100 ms when the engine is idle): requests added or
+    aborted. Returns the rejected adds [[rid, why]], or None on shutdown."""
     import zmq
+    rejected = []
+    if not pull.poll(0 if eng.has_work() else 100):
+        return rejected
+    while True:
+        try:
+            msg = decode(pull.recv(flags=zmq.NOBLOCK))
+        except zmq.Again:
+            return rejected
+        kind = msg["type"]
+        if kind == "shutdown":
+            return None
+        if kind == "add":
+            try:
+                params = SamplingParams(**msg["params"])
+                iid = eng.add_request(msg["prompt"], params)
+            except (ValueError, TypeError) as e:
+                rejected.append([msg["rid"], str(e)])
+                continue
+            iid_of[msg["rid"]] = iid
+            rid_of[iid] = msg["rid"]
+        elif kind == "abort":
+            iid = iid_of.pop(msg["rid"], None)
+            if iid is not None:
+                eng.abort(iid)
+                eng.forget(iid)
+                rid_of.pop(iid, None)
+
+
+def _step(eng, iid_of: dict, rid_of: dict) -> tuple:
+    """One engine step -> (outputs [[rid, token, finish, logprobs]], failed [[rid, why]], the step's record)."""
+    outputs, failed, record = [], [], {}
+    res = eng.step_result()
+    for o in res.outputs:
+        if o.finish_reason == FinishReason.ERROR:
+            failed.append([rid_of[o.request_id], o.error or "error"])
+        elif o.token is not None:
+            lp = None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
+            outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason, lp])
+        if o.finished:
+            eng.forget(o.request_id)
+            iid_of.pop(rid_of.pop(o.request_id), None)
+    rec = res.record            # None: a step that ran nothing records nothing
+    if rec is not None:
+        record = asdict(rec)
+        record["mean_unique_experts"] = sum(rec.unique_experts) / max(1, len(rec.unique_experts))
+        del record["unique_experts"]
+    if failed and rec is not None:
+        print(f"tiered-moe engine: step {rec.step} failed {len(failed)} request(s): {failed[0][1]}",
+              file=sys.stderr)
+    return outputs, failed, record
+
+
+def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
     group = None
     if cfg.tensor_parallel * cfg.pipeline_parallel > 1:        # this process is rank 0; the others start here and follow its commands
         group = Group(cfg)
@@ -94,51 +149,10 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
         while True:
             if os.getppid() != parent_pid:   # the front-end died without a shutdown: do not linger
                 return
-            rejected = []
-            if pull.poll(0 if eng.has_work() else 100):
-                while True:
-                    try:
-                        msg = decode(pull.recv(flags=zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    kind = msg["type"]
-                    if kind == "shutdown":
-                        return
-                    if kind == "add":
-                        try:
-                            params = SamplingParams(**msg["params"])
-                            iid = eng.add_request(msg["prompt"], params)
-                        except (ValueError, TypeError) as e:
-                            rejected.append([msg["rid"], str(e)])
-                            continue
-                        iid_of[msg["rid"]] = iid
-                        rid_of[iid] = msg["rid"]
-                    elif kind == "abort":
-                        iid = iid_of.pop(msg["rid"], None)
-                        if iid is not None:
-                            eng.abort(iid)
-                            eng.forget(iid)
-                            rid_of.pop(iid, None)
-            outputs, failed, record = [], [], {}
-            if eng.has_work():
-                res = eng.step_result()
-                for o in res.outputs:
-                    if o.finish_reason == FinishReason.ERROR:
-                        failed.append([rid_of[o.request_id], o.error or "error"])
-                    elif o.token is not None:
-                        lp = None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
-                        outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason, lp])
-                    if o.finished:
-                        eng.forget(o.request_id)
-                        iid_of.pop(rid_of.pop(o.request_id), None)
-                rec = res.record            # None: a step that ran nothing records nothing
-                if rec is not None:
-                    record = asdict(rec)
-                    record["mean_unique_experts"] = sum(rec.unique_experts) / max(1, len(rec.unique_experts))
-                    del record["unique_experts"]
-                if failed and rec is not None:
-                    print(f"tiered-moe engine: step {rec.step} failed {len(failed)} request(s): {failed[0][1]}",
-                          file=sys.stderr)
+            rejected = _take_messages(pull, eng, iid_of, rid_of)
+            if rejected is None:           # shutdown
+                return
+            outputs, failed, record = _step(eng, iid_of, rid_of) if eng.has_work() else ([], [], {})
             now = time.monotonic()
             if outputs or rejected or failed or record or now - last_stats > 1.0:
                 stats = {**store.snapshot(), **_engine_stats(eng)}

@@ -86,7 +86,7 @@ def _dense_tensors(model):
     for layer in model.layers:
         walk(layer)
     add(model.embed)
-    add(model.norm)
+    walk(model.norm)
     if model.head is not None:
         walk(model.head)
     return out

@@ -70,37 +70,6 @@ class StateCacheSpec:
                 + math.prod(self.conv) * torch.tensor([], dtype=dtype).element_size())
 
 
-def kv_shape(cfg: MoEConfig, layers=None) -> tuple:
-    """(heads, dim, with_v) of one token of the layers that cache keys (paged or ring), as their
-    cache specs declare it (MLA: one "head" of latent + rotary key, no v)."""
-    for spec in cache_specs(cfg, layers).values():
-        if isinstance(spec, (TokenCacheSpec, WindowCacheSpec)):
-            return spec.heads, spec.dim, spec.with_v
-    return 1, 1, False          # every layer linear: no key is cached
-
-
-def cache_specs(cfg: MoEConfig, layers=None) -> dict:
-    """Layer index -> what it caches per sequence: TokenCacheSpec (grows with every token),
-    WindowCacheSpec or StateCacheSpec (fixed), as each layer's attention kind declares it
-    (``cache_spec``). One budget covers all of them (MoEModel.init_kv). ``layers``: only these (a
-    pipeline stage's; None: every layer)."""
-    from ..moe import attention_kind       # the layer kinds import this module
-    return {i: attention_kind(cfg, i).cache_spec(cfg, i) for i in (range(cfg.num_layers) if layers is None else layers)}
-
-
-def kv_bytes_per_token(cfg: MoEConfig, dtype, layers=None) -> float:
-    """Bytes a sequence's cache grows by per token: per-token layers' k (and v), DeepSeek-V4's compressed
-    entries (a fraction of a row per token)."""
-    return sum(s.bytes_per_token(dtype) for s in cache_specs(cfg, layers).values() if hasattr(s, "bytes_per_token"))
-
-
-def state_bytes_per_sequence(cfg: MoEConfig, dtype, layers=None) -> int:
-    """Fixed bytes per sequence: recurrent states, sliding-window rings, DeepSeek-V4's rings and
-    compressor state."""
-    return sum(s.bytes_per_sequence(dtype) for s in cache_specs(cfg, layers).values()
-               if hasattr(s, "bytes_per_sequence"))
-
-
 def kv_block_size(cfg: MoEConfig, default: int = 16) -> int:
     """Tokens per KV block: ``default``, or a multiple of every DeepSeek-V4 compress rate (its compressed
     entries live in the blocks, block_size / rate per block)."""

@@ -24,6 +24,7 @@ import ctypes
 import torch
 
 from ... import kernels
+from ...quant import get_format
 
 # Rows up to which the GEMV is used; past them the weight is widened for one BLAS call (prefill).
 GEMV_ROWS = 16
@@ -62,7 +63,6 @@ class Linear:
             self._fwd = self._mm
 
     def _quantize(self, w: torch.Tensor, act_quant: str) -> None:
-        from ...quant import get_format
         name, params = _QUANT_FORMATS[self.quant]
         parts = get_format(name, **params).quantize(w.float())
         c, s = _PARTS[self.quant]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEConfig
-from ..convert import linear_names
+from ..names import linear_names
 from ..linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, KimiDeltaAttention,
                                 LinearAttentionState)
 from .cache import StateCacheSpec

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MoEConfig
-from ..convert import correction_bias_name, router_name
+from ..names import correction_bias_name, router_name
 from .context import ForwardContext
 from .experts import ExpertExecutor, weighted_sum
 from .mlp import DenseMLP

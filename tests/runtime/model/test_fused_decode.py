@@ -4,7 +4,6 @@ every decode step of a batch of sequences of different lengths, the same expert 
 per tier, the recorded routing trace) with every expert resident and with 10% of them on the device
 (misses take the composed block's general path from inside a fused layer), per architecture - and the
 layers each architecture fuses, so the comparison cannot pass on composed layers alone."""
-import os
 
 import numpy as np
 import pytest
