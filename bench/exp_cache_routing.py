@@ -37,7 +37,9 @@ def teacher_forced(store, prompts, conts, *, bonus, batch, fraction):
     # favour (a global LRU pool at batch > 1 cycles through the layers and holds none of the layer
     # being routed).
     model, st = load_model(store, expert_budget=budget, policy="lru", scope="layer")
+    from runtime.engine.kv_manager import KVManager
     from runtime.model import StepHooks
+    kv = KVManager.for_model(model)
     out = [None] * len(prompts)
     step = 0
     try:
@@ -47,6 +49,7 @@ def teacher_forced(store, prompts, conts, *, bonus, batch, fraction):
             rows = {i: [] for i in idx}
             chunks = [prompts[i] for i in idx]
             for t in range(len(conts[idx[0]])):
+                kv.prepare(seqs, chunks)
                 lp = torch.log_softmax(model.forward(seqs, chunks, StepHooks(step=step, cache_bonus=bonus)), -1)   # [batch, vocab]
                 st.end_step()
                 step += 1
@@ -54,7 +57,7 @@ def teacher_forced(store, prompts, conts, *, bonus, batch, fraction):
                     rows[i].append(lp[j])
                 chunks = [[conts[i][t]] for i in idx]
             for i, s in zip(idx, seqs):
-                model.release(s)
+                kv.release(s)
                 out[i] = torch.stack(rows[i])                              # [positions, vocab]
         h = st.stats.hits
         return out, h["device"] / max(1, sum(h.values()))

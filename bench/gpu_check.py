@@ -264,17 +264,19 @@ def hybrid_attention_check(work: str, dev: str) -> dict:
 def k3_run(k3store: str, device: str) -> "tuple[torch.Tensor, list]":
     """Logits of a prefill + three decode steps, and the greedy tokens of three requests at batch 3."""
     from runtime.engine import Engine, SamplingParams
+    from runtime.engine.kv_manager import KVManager
     from runtime.model import Sequence, load_model
     from runtime.store import Manifest
     mk = Manifest.read(k3store)
     model, st = load_model(k3store, expert_budget=max(8, mk.num_layers * mk.num_experts // 4) * mk.blob_stride,
                            device=device, dtype=torch.float32)
     try:
-        s = Sequence()
-        prompt = list(range(1, 12))
-        logits = [model.forward([s], [prompt])[0].float().cpu()]
-        logits += [model.forward([s], [[t]])[0].float().cpu() for t in (5, 9, 40)]
-        model.release(s)
+        s, kv = Sequence(), KVManager.for_model(model)
+        logits = []
+        for chunk in (list(range(1, 12)), [5], [9], [40]):
+            kv.prepare([s], [chunk])
+            logits.append(model.forward([s], [chunk])[0].float().cpu())
+        kv.release(s)
         eng = Engine(model, st, max_batch=3, prefill_chunk=4)
         ids = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
                for p in ([3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9])]

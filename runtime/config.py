@@ -47,7 +47,7 @@ class RuntimeConfig:
     dense_quant: str = "none"            # none | int8 | int4: non-expert projections quantized at load (layers/dense.py)
     tensor_parallel: int = 1             # ranks that split every expert and the attention heads (runtime/parallel)
     pipeline_parallel: int = 1           # stages of consecutive layers (x tensor_parallel ranks each)
-    prefix_caching: bool = True          # reuse the KV blocks of cached prompt prefixes (BlockManager)
+    prefix_caching: bool = True          # reuse the KV blocks of cached prompt prefixes (runtime/engine/kv_manager.py)
     prefix_snapshots: "int | None" = None   # state snapshots for the prefix cache (stateful models; None: max_active)
 
     def __post_init__(self) -> None:

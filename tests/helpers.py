@@ -52,7 +52,7 @@ def check_against_transformers(ref, store_dir: str, frac: float, name: str) -> N
     model, store = load_model(store_dir, expert_budget=max(4, int(frac * m.num_layers * m.num_experts)) * m.blob_stride)
     try:
         s = Sequence()
-        got = torch.stack([model.forward([s], [[t]])[0] for t in prompt[0].tolist()])
+        got = torch.stack([feed(model, [s], [[t]])[0] for t in prompt[0].tolist()])
         assert (got - want).abs().max().item() < 1e-4, name
         with torch.no_grad():
             gen = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
@@ -65,3 +65,25 @@ def check_against_transformers(ref, store_dir: str, frac: float, name: str) -> N
             assert store.stats.hits["device"] < sum(store.stats.hits.values())   # offloading really happened
     finally:
         store.close()
+
+
+_MANAGERS = None
+
+
+def feed(model, seqs: list, chunks: list, hooks=None):
+    """``model.forward(seqs, chunks, hooks)`` without an engine: the blocks and slots come first from a
+    KVManager of the model's cache (one per cache, kept across calls, as the engine keeps its own)."""
+    import weakref
+
+    from runtime.engine.kv_manager import KVManager
+    from runtime.model import StepHooks
+    global _MANAGERS
+    if _MANAGERS is None:
+        _MANAGERS = weakref.WeakKeyDictionary()
+    if model.kv is None:
+        model.init_kv()
+    mgr = _MANAGERS.get(model.kv)
+    if mgr is None:
+        mgr = _MANAGERS[model.kv] = KVManager.for_cache(model.kv)
+    mgr.prepare(seqs, chunks)
+    return model.forward(seqs, chunks, hooks if hooks is not None else StepHooks())

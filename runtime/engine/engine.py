@@ -1,7 +1,7 @@
 """The engine: one ``step()`` = schedule, run, postprocess, record (nano-vllm's ``llm_engine.py``).
 
 ``Scheduler`` (scheduler.py) decides which requests run and which tokens each feeds, by the free
-blocks of the cache's ``BlockManager``; the model runs the forward over its cache tensors; the
+blocks of the engine's ``KVManager`` (kv_manager.py); the model runs the forward over its cache tensors; the
 scheduler samples and finishes; the engine records, per step, batch size, unique experts per MoE
 layer, store hits / misses per tier, bytes per link, time stalled waiting for experts and step
 time (``StepRecord``), and the routing of every fed token, written as a trace in the
@@ -25,6 +25,7 @@ from ..model.layers.cache import Sequence
 from ..model.layers.context import StepHooks
 from ..quant import cost_dtype
 from .grammar import GrammarTokenizer
+from .kv_manager import KVManager
 from .request import (SAMPLING_EPS, FinishReason, Request, SamplingParams, SchedulerOutput, StepOutput, StepRecord,
                       StepResult, sample)
 from .scheduler import SCHEDULES, Scheduler
@@ -86,7 +87,7 @@ class Engine:
         # 1024 tokens, and at least one sequence of the whole context up to 8192); admission by free
         # blocks, preemption when out. Its memory is fixed from here on.
         # Models with per-sequence state: the prefix cache keeps that state at block boundaries in spare state slots
-        # (BlockManager.snapshot), max_active of them unless told; they come out of the same budget.
+        # (KVManager.snapshot), max_active of them unless told; they come out of the same budget.
         per_seq = model.state_bytes_per_sequence()
         self.prefix_snapshots = (0 if not (prefix_caching and per_seq) else
                                  max_active if prefix_snapshots is None else prefix_snapshots)
@@ -96,7 +97,8 @@ class Engine:
             model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token()
                           + (max_active + self.prefix_snapshots) * per_seq, max_seqs=max_active,
                           snapshots=self.prefix_snapshots)
-        self.scheduler = Scheduler(lambda: self.model.kv.manager, max_batch=max_batch, max_active=max_active,
+        self.kv = KVManager.for_cache(model.kv)       # the one allocator of the cache's blocks and slots
+        self.scheduler = Scheduler(lambda: self.kv, max_batch=max_batch, max_active=max_active,
                                    prefill_chunk=prefill_chunk, step_tokens=self._step_tokens(max_batch),
                                    schedule=schedule, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
                                    eos_token_ids=cfg.eos_token_ids, prefix_caching=prefix_caching)
@@ -312,12 +314,14 @@ class Engine:
         if not prompts or any(not p for p in prompts):
             raise ValueError("score needs non-empty prompts")
         seqs = [Sequence() for _ in prompts]
+        chunks = [[int(t) for t in p] for p in prompts]
         try:
+            self.kv.prepare(seqs, chunks)
             with torch.inference_mode():
-                return self.model.forward(seqs, [[int(t) for t in p] for p in prompts], self._hooks(record=False))
+                return self.model.forward(seqs, chunks, self._hooks(record=False))
         finally:
             for s in seqs:
-                self.model.release(s)
+                self.kv.release(s)
             self.store.end_step()
 
     # -- results -------------------------------------------------------------------------------

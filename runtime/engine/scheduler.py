@@ -1,6 +1,6 @@
 """Continuous batching (nano-vllm's ``scheduler.py``): which requests run this step and which tokens
 each feeds, admission by free KV blocks and state slots, preemption by recompute when they run out,
-and after the forward, sampling and finishing. It sees the cache only through its ``BlockManager``
+and after the forward, sampling and finishing. It sees the cache only through its ``KVManager``
 and never runs the model."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 
 from cache_policy.keys import SCHEDULES
 
-from ..model.layers.cache import BlockManager, Sequence
+from ..model.layers.cache import Sequence
+from .kv_manager import KVManager
 from .request import FinishReason, Request, SchedulerOutput, StepOutput, logprobs_of, process_logits, sample
 
 
@@ -18,7 +19,7 @@ class Scheduler:
                  eos_token_ids=(), prefix_caching: bool = False) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose {' or '.join(SCHEDULES)}")
-        # The cache's BlockManager, or a callable that returns the current one (the engine's: a model
+        # The cache's KVManager, or a callable that returns the current one (the engine's: a model
         # whose cache is re-made keeps one truth of what is free).
         self._blocks = blocks
         self.max_batch, self.max_active, self.prefill_chunk = max_batch, max_active, prefill_chunk
@@ -34,17 +35,17 @@ class Scheduler:
         # Tensor-parallel ranks (runtime/parallel/group.py): callable(picks) -> rank 0's picks, so every rank
         # applies the tokens one rank sampled. None: a single process.
         self.token_sync = None
-        # Prefix caching (BlockManager.match / register): a request starts from the cached blocks of its
+        # Prefix caching (KVManager.match / register): a request starts from the cached blocks of its
         # prompt's longest cached prefix. Models with per-sequence state (linear attention, sliding-window rings,
         # DeepSeek-V4's compressor windows) also need the state there: a prompt's prefill is cut at block
-        # boundaries where that state is worth keeping (``_boundaries``) and snapshotted there (BlockManager.snapshot).
+        # boundaries where that state is worth keeping (``_boundaries``) and snapshotted there (KVManager.snapshot).
         self.prefix_caching = prefix_caching
         # ... every this many tokens (a whole number of blocks), besides the prompt's last full block and the end
         # of what the cache held when it was admitted (where another request with the same prefix will look)
         self.snapshot_every = 256
 
     @property
-    def blocks(self) -> BlockManager:
+    def blocks(self) -> KVManager:
         return self._blocks() if callable(self._blocks) else self._blocks
 
     def add(self, r: Request) -> None:

@@ -108,7 +108,7 @@ class MoEModel:
         self.rope = RotaryEmbedding(cfg, device, dtype)
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         self.executor = ExpertExecutor(cfg, experts, dtype, device, host_act_quant)
-        self.kv = None            # PagedKV, made by init_kv (the engine sizes it; else on first use)
+        self.kv = None            # PagedKV, made by init_kv (the engine sizes it; KVManager.for_model otherwise)
         self.kv_bytes = kv_bytes
         self.layers = [self._build_layer(i, w) for i in self.layer_ids]
         self.moe_blocks = [layer.ffn for layer in self.layers if layer.index in self.moe_index]
@@ -223,7 +223,7 @@ class MoEModel:
         state slots come out of it first; the rest is KV blocks of ``block_size`` tokens (default 16, a
         multiple of every DeepSeek-V4 compress rate). ``num_blocks``: exactly this many blocks (the ranks
         of a group agree on one count: runtime/parallel/group.py). ``snapshots``: spare state slots for the prefix
-        cache (layers/cache.py BlockManager.snapshot), out of the same budget."""
+        cache (runtime/engine/kv_manager.py KVManager.snapshot), out of the same budget."""
         block_size = block_size or kv_block_size(self.cfg)
         per_tok, per_seq = self.kv_bytes_per_token(), self.state_bytes_per_sequence()
         seqs = (max_seqs or 16) if per_seq else 0
@@ -253,11 +253,6 @@ class MoEModel:
                           v4=[s for s in self.cache_specs().values() if isinstance(s, CompressedCacheSpec)],
                           snapshots=snaps)
         return self.kv
-
-    def release(self, seq: Sequence) -> None:
-        """Free a finished sequence's KV blocks and state slot."""
-        if (seq.blocks or seq.state is not None) and self.kv is not None:
-            self.kv.release(seq)
 
     @torch.inference_mode()
     def forward(self, seqs: list, chunks: list, hooks: StepHooks = NO_HOOKS) -> torch.Tensor:
@@ -302,11 +297,9 @@ class MoEModel:
     def _forward(self, seqs: list, chunks: list, hooks: StepHooks) -> torch.Tensor:
         flat = [t for c in chunks for t in c]
         if self.kv is None:
-            self.init_kv()
-        for sq, c in zip(seqs, chunks):
-            if not self.kv.ensure(sq, sq.length + len(c)):
-                raise KVFull(f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) has no free "
-                             f"block for a sequence of {sq.length + len(c)} tokens")
+            raise ValueError("the model has no KV cache: init_kv makes it (the engine, or runtime/engine/kv_manager.py "
+                             "KVManager.for_model)")
+        self.kv.check(seqs, chunks)           # the blocks are the engine's KVManager's to give: none are taken here
         ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=self.gqa, device=self.device, hooks=hooks)
         ids = torch.tensor(flat, device=self.device)
         ctx.tokens = self._tokens = ids

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RuntimeConfig
+from ..engine.kv_manager import KVManager
 from ..model.config import MoEConfig
 from ..proc import watch_parent
 from ..store.shared import HostShare, shm_dir
@@ -400,9 +401,10 @@ def _engine(rank: Rank, cfg, model, store, kw: dict):
     n = rank.min([model.kv.num_blocks])[0]
     if n != model.kv.num_blocks:
         model.init_kv(model.kv_bytes, max_seqs=eng.scheduler.max_active, num_blocks=n, snapshots=eng.prefix_snapshots)
+        eng.kv = KVManager.for_cache(model.kv)          # the scheduler reads the engine's current manager
     # Prefix caching decides alike on every rank only where all keep per-sequence state or none does: a stage of
     # full-attention layers alone would reuse prefixes its stateful peers have no snapshot for.
-    stateful = int(bool(model.kv.manager.state_slots))
+    stateful = int(bool(model.kv.state_slots))
     lo, neg_hi = rank.min([stateful, -stateful])
     if lo != -neg_hi:
         eng.scheduler.prefix_caching = False

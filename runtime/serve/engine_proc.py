@@ -53,10 +53,10 @@ def engine_main(cfg: dict, to_engine: str, from_engine: str, parent_pid: int) ->
 
 
 def _engine_stats(eng) -> dict:
-    kv = eng.model.kv
+    kv = eng.kv                      # the engine's KVManager
     return {"running": len(eng.running), "waiting": len(eng.waiting), "preemptions": eng.preemptions,
-            "kv_blocks": {"used": kv.num_blocks - kv.free_blocks, "free": kv.free_blocks, "bytes": kv.nbytes},
-            "prefix_cache": {"queries": kv.manager.queries, "hits": kv.manager.hits}}
+            "kv_blocks": {"used": kv.num_blocks - kv.free_blocks, "free": kv.free_blocks, "bytes": eng.model.kv.nbytes},
+            "prefix_cache": {"queries": kv.queries, "hits": kv.hits}}
 
 
 def _rank_stats(eng, stats: dict) -> dict:

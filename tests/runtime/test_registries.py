@@ -19,6 +19,7 @@ from runtime.model.convert import convert
 from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
 from runtime.quant import FormatSpec, Part, WeightFormat, register_format
 from runtime.store import Manifest
+from helpers import feed
 
 import oracle
 
@@ -100,7 +101,7 @@ def test_a_registered_format_converts_stores_and_computes_and_the_policy_runs_li
     for name in ("f32", "q"):
         model, store = load_model(str(tmp_path / name))
         try:
-            logits[name] = model.forward([Sequence()], [prompt])[0]
+            logits[name] = feed(model, [Sequence()], [prompt])[0]
         finally:
             store.close()
     # int8 rows: relative error of each weight <= 1/254 of its row's max; the logits stay close.

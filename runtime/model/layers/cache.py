@@ -1,8 +1,11 @@
-"""Per-layer cache specs and the one preallocated cache they share (vLLM's KV cache specs)."""
+"""Per-layer cache specs and the one preallocated cache they share (vLLM's KV cache specs).
+
+The model owns the cache's tensors (``PagedKV``) and reads each sequence's slot table (``Sequence``: its
+blocks, token slots and state slot); who gets which block is the engine's (runtime/engine/kv_manager.py
+``KVManager``, the one allocator)."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -120,189 +123,11 @@ class V4Arena:
         return read, write
 
 
-class BlockManager:
-    """The free lists of the cache (nano-vllm's block manager): KV blocks of ``block_size`` tokens and
-    per-sequence slots (recurrent state, sliding-window rings). It hands them to sequences and takes
-    them back; it holds no tensor. The scheduler admits and preempts by what it says is free.
-
-    Prefix caching (vLLM's automatic prefix caching): a full block whose tokens a sequence has fed is
-    registered under its tokens and its parent block (``register``), so the chain of keys names a whole
-    prefix exactly (no hash to collide: the key holds the tokens, and the parent's identity changes when
-    it is evicted). Blocks are counted by reference; a registered block nobody holds stays cached,
-    evictable in LRU order (a freed sequence's tail first), and is taken back only when no plain free block
-    is left. ``match`` hands a new sequence the cached blocks of its prompt's longest cached prefix.
-
-    Models with per-sequence state (linear attention's recurrent state, sliding-window rings, DeepSeek-V4's
-    compressor windows) need that state at the prefix's end too, and it is not in any block: ``snapshot`` copies
-    a sequence's state, at a block boundary, into one of ``snapshots`` spare state slots, filed under the block
-    that ends there (vLLM's prefix caching for hybrid models caches the state at block boundaries the same way).
-    A prefix then matches only up to its deepest block with a snapshot, which ``match`` copies into the new
-    sequence's own slot (``copy_state(src, dst)``, the cache's tensors). Snapshots are evicted LRU, and with the
-    block they belong to."""
-
-    def __init__(self, num_blocks: int, block_size: int, state_slots: int, device, snapshots: int = 0,
-                 copy_state=None) -> None:
-        self.num_blocks, self.block_size, self.state_slots, self.device = num_blocks, block_size, state_slots, device
-        self.free: list = list(range(num_blocks - 1, -1, -1))
-        self.free_state: list = list(range(state_slots - 1, -1, -1))
-        # state slots state_slots .. state_slots + snapshots - 1 hold snapshots (no sequence runs in them)
-        self.snapshots = snapshots if state_slots else 0
-        self.free_snap: list = list(range(state_slots + self.snapshots - 1, state_slots - 1, -1))
-        self.snap: OrderedDict = OrderedDict()    # block -> the snapshot slot of the state after it, LRU first
-        self.copy_state = copy_state
-        self.ref = [0] * num_blocks               # sequences holding each block
-        self.gen = [0] * num_blocks               # bumped when a cached block is evicted: its old key dies
-        self.key_of: dict = {}                    # block -> its key (registered blocks)
-        self.cached: dict = {}                    # key -> block
-        self.evictable: OrderedDict = OrderedDict()   # registered blocks nobody holds, least recently freed first
-        self.queries = self.hits = 0              # prompt tokens looked up / found (prefix caching)
-
-    @property
-    def free_blocks(self) -> int:
-        """Blocks a sequence can get: free ones and cached ones nobody holds (evicted on demand)."""
-        return len(self.free) + len(self.evictable)
-
-    def _take(self) -> int:
-        if self.free:
-            return self.free.pop()
-        b, _ = self.evictable.popitem(last=False)      # the least recently freed cached block
-        key = self.key_of.pop(b)
-        if self.cached.get(key) == b:
-            del self.cached[key]
-        self.gen[b] += 1
-        s = self.snap.pop(b, None)            # the state after an evicted block can no longer be matched
-        if s is not None:
-            self.free_snap.append(s)
-        return b
-
-    def _slots(self, blocks: list) -> torch.Tensor:
-        bs = self.block_size
-        return (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(
-            self.device)
-
-    def _chain(self, tokens: list, n: int) -> list:
-        """The cached blocks of ``tokens``' first ``n`` full blocks, as far as they are cached."""
-        bs, got, parent = self.block_size, [], None
-        for i in range(n):
-            b = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
-            if b is None:
-                break
-            got.append(b)
-            parent = (b, self.gen[b])
-        return got
-
-    def match(self, seq: Sequence, tokens: list) -> int:
-        """Give a sequence that holds nothing the cached blocks of ``tokens``' longest cached prefix of full
-        blocks - leaving at least one token to feed (its logits are needed) - and, with per-sequence state, a
-        state slot holding the state after them (the prefix then ends at its deepest block with a snapshot);
-        returns the tokens it covers."""
-        if seq.blocks or seq.state is not None or (self.state_slots and not self.snapshots):
-            return 0
-        bs = self.block_size
-        self.queries += len(tokens)
-        got = self._chain(tokens, (len(tokens) - 1) // bs)
-        seq.cached_to = len(got) * bs
-        if self.state_slots:
-            while got and got[-1] not in self.snap:
-                got.pop()
-            if got:
-                seq.state = self.free_state.pop()      # admission saw a free slot
-                self.copy_state(self.snap[got[-1]], seq.state)
-                self.snap.move_to_end(got[-1])
-        for b in got:
-            if self.ref[b] == 0:
-                del self.evictable[b]
-            self.ref[b] += 1
-        if got:
-            seq.blocks, seq.hashed, seq.length = list(got), len(got), len(got) * bs
-            seq.parent = (got[-1], self.gen[got[-1]])
-            seq.slot_ids = self._slots(got)
-        self.hits += len(got) * bs
-        return len(got) * bs
-
-    def snapshot(self, seq: Sequence, tokens: list) -> None:
-        """File the sequence's state (it has fed exactly ``seq.length`` tokens, a whole number of blocks) under the
-        cached block that ends there - once per block; the least recently used snapshot makes room."""
-        bs = self.block_size
-        n = seq.length // bs
-        if not self.snapshots or seq.state is None or n == 0 or seq.length % bs:
-            return
-        chain = self._chain(tokens, n)
-        if len(chain) < n:
-            return                                  # not all of it cached (evicted meanwhile): nothing to file under
-        b = chain[-1]
-        if b in self.snap:
-            self.snap.move_to_end(b)
-            return
-        slot = self.free_snap.pop() if self.free_snap else self.snap.popitem(last=False)[1]
-        self.copy_state(seq.state, slot)
-        self.snap[b] = slot
-
-    def register(self, seq: Sequence, tokens: list) -> None:
-        """Register the sequence's full blocks fed since the last call (``tokens``: at least its fed ones). A
-        block whose prefix is cached already in another block stays unregistered (one copy is cached)."""
-        bs = self.block_size
-        parent = seq.parent if seq.hashed else None
-        for i in range(seq.hashed, min(seq.length // bs, len(seq.blocks))):
-            b = seq.blocks[i]
-            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
-            c = self.cached.get(key)
-            if c is None and b not in self.key_of:
-                self.cached[key] = b
-                self.key_of[b] = key
-            # the next key's parent is the cached copy of this block: a sequence that computed a cached prefix
-            # again (admitted beside the request computing it, or restarting from an earlier state snapshot)
-            # files what follows under the chain a later request walks
-            c = b if c is None else c
-            parent = (c, self.gen[c])
-        seq.parent = parent
-        seq.hashed = max(seq.hashed, seq.length // bs)
-
-    @property
-    def free_sequences(self) -> "int | None":
-        """Sequences that can still get a state slot; None when the model keeps no per-sequence state."""
-        return len(self.free_state) if self.state_slots else None
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def ensure(self, seq: Sequence, tokens: int) -> bool:
-        """Give ``seq`` blocks for ``tokens`` positions; False (and nothing taken) if too few are free."""
-        need = self.blocks_for(tokens) - len(seq.blocks)
-        if self.state_slots and seq.state is None:
-            if not self.free_state or need > self.free_blocks:
-                return False
-            seq.state = self.free_state.pop()    # stale contents: its first chunk starts from zeros (layers/linear.py)
-        if need <= 0:
-            return True
-        if need > self.free_blocks:
-            return False
-        new = [self._take() for _ in range(need)]
-        for b in new:
-            self.ref[b] = 1
-        seq.blocks.extend(new)
-        ids = self._slots(new)
-        seq.slot_ids = ids if seq.slot_ids is None else torch.cat([seq.slot_ids, ids])
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        for b in reversed(seq.blocks):           # the tail first: it is evicted before the shared head
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                if b in self.key_of:
-                    self.evictable[b] = None
-                else:
-                    self.free.append(b)
-        seq.blocks, seq.slot_ids, seq.hashed, seq.cached_to, seq.parent = [], None, 0, 0, None
-        if seq.state is not None:
-            self.free_state.append(seq.state)
-            seq.state = None
-
-
 class PagedKV:
-    """Every layer's sequence cache, preallocated from one byte budget and never grown: the tensors
-    (they live with the model that runs them) and the ``BlockManager`` that hands out their blocks
-    and slots (``manager``; the scheduler's view).
+    """Every layer's sequence cache, preallocated from one byte budget and never grown: the tensors. The
+    blocks and slots are handed out by the engine's ``KVManager`` (runtime/engine/kv_manager.py), made from
+    this cache's geometry (``num_blocks``, ``block_size``, ``state_slots``, ``snapshots``); the model only
+    reads the slot tables of the sequences it runs.
 
     Per-token layers (full attention, MLA): fixed-size blocks (vLLM's paged layout): k and v are
     [token layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of blocks
@@ -310,7 +135,7 @@ class PagedKV:
     ``state_slots`` fixed per-sequence caches (recurrent states [state layers, slots, ...]; rings of
     the last ``window`` keys and values [window layers, slots, window, heads, dim], position p at
     p % window); a sequence owns one slot for all of them. MLA caches one "head" (latent + rotary
-    key) and no v."""
+    key) and no v. ``snapshots`` more state slots hold the prefix cache's snapshots (KVManager.snapshot)."""
 
     def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
                  with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
@@ -320,22 +145,23 @@ class PagedKV:
             raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
         if (state_layers or window_layers or v4) and state_slots < 1:
             raise ValueError("a model with linear-attention or sliding-window layers needs at least one sequence slot")
-        self.with_v = with_v
+        self.with_v, self.device = with_v, device
+        self.num_blocks, self.block_size = num_blocks, block_size
         T = num_blocks * block_size
         self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
         self.v = torch.zeros_like(self.k) if with_v else None
         stateful = bool(state_layers or window_layers or v4)
-        self.manager = BlockManager(num_blocks, block_size, state_slots if stateful else 0, device,
-                                    snapshots=snapshots if stateful else 0, copy_state=self.copy_state)
-        # state arenas: the sequences' slots, then the prefix cache's snapshots (BlockManager.snapshot)
-        state_slots = state_slots + self.manager.snapshots
-        self.v4 = [V4Arena(spec, num_blocks, block_size, state_slots, dtype, device) for spec in v4]
+        # per-sequence state: the sequences' slots, then the prefix cache's snapshots
+        self.state_slots = state_slots if stateful else 0
+        self.snapshots = snapshots if stateful else 0
+        slots = self.state_slots + self.snapshots
+        self.v4 = [V4Arena(spec, num_blocks, block_size, slots, dtype, device) for spec in v4]
         self.rec = self.conv = self.win_k = self.win_v = None
         if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
-            self.rec = torch.zeros(state_layers, state_slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
-            self.conv = torch.zeros(state_layers, state_slots, *state.conv, dtype=dtype, device=device)
+            self.rec = torch.zeros(state_layers, slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
+            self.conv = torch.zeros(state_layers, slots, *state.conv, dtype=dtype, device=device)
         if window_layers:             # win_k: [window layers, slots, window, heads, dim]
-            self.win_k = torch.zeros(window_layers, state_slots, window.window, window.heads, window.dim, dtype=dtype,
+            self.win_k = torch.zeros(window_layers, slots, window.window, window.heads, window.dim, dtype=dtype,
                                      device=device)
             self.win_v = torch.zeros_like(self.win_k) if window.with_v else None
 
@@ -349,6 +175,17 @@ class PagedKV:
             for t in a.state.values():
                 t[dst] = t[src]                     # t: [slots, ...]
 
+    def check(self, seqs: list, chunks: list) -> None:
+        """Every sequence holds the blocks (and state slot) its chunk needs: the engine's KVManager.prepare gave
+        them; the model allocates nothing."""
+        for j, (sq, c) in enumerate(zip(seqs, chunks)):
+            need = sq.length + len(c)
+            if len(sq.blocks) * self.block_size < need or (self.state_slots and sq.state is None):
+                raise ValueError(f"sequence {j} holds KV blocks for {len(sq.blocks) * self.block_size} tokens"
+                                 + (" and no state slot" if self.state_slots and sq.state is None else "")
+                                 + f", the forward feeds it to {need}: blocks come from the engine's KVManager "
+                                 "(runtime/engine/kv_manager.py, prepare) before the forward")
+
     @property
     def nbytes(self) -> int:
         n = self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
@@ -356,13 +193,3 @@ class PagedKV:
             if t is not None:
                 n += t.numel() * t.element_size()
         return n + sum(a.nbytes for a in self.v4)
-
-    _MANAGER_VIEW = frozenset(("num_blocks", "block_size", "state_slots", "free_blocks", "free_sequences",
-                               "blocks_for", "ensure", "release"))
-
-    def __getattr__(self, name: str):
-        # The manager's figures, for callers that hold the cache (only those: no other attribute leaks).
-        if name in PagedKV._MANAGER_VIEW:
-            return getattr(self.manager, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-

@@ -23,9 +23,9 @@ def run(store, kv_tokens, max_batch, greedy=True):
         peak = 0
         while eng.has_work():
             eng.step()
-            peak = max(peak, model.kv.num_blocks - model.kv.free_blocks)
+            peak = max(peak, eng.kv.num_blocks - eng.kv.free_blocks)
             assert model.kv.k.data_ptr() == k0          # never reallocated: memory fixed at start
-        assert model.kv.free_blocks == model.kv.num_blocks   # every block returned
+        assert eng.kv.free_blocks == eng.kv.num_blocks   # every block returned
         return [eng.done[i].output for i in ids], eng.preemptions, peak, model.kv.num_blocks
     finally:
         st.close()
@@ -83,6 +83,6 @@ def test_expert_aware_schedule_with_a_tight_cache(store):
         ids = [eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
         eng.run()
         assert [eng.done[i].output for i in ids] == want
-        assert model.kv.free_blocks == model.kv.num_blocks
+        assert eng.kv.free_blocks == eng.kv.num_blocks
     finally:
         st.close()

@@ -4,11 +4,12 @@ import pytest
 
 from runtime.engine import Engine, SamplingParams
 from runtime.model import load_model
-from runtime.model.layers.cache import BlockManager, Sequence
+from runtime.engine.kv_manager import KVManager
+from runtime.model.layers.cache import Sequence
 
 
 
-def _fed(m: BlockManager, seq: Sequence, tokens: list) -> None:
+def _fed(m: KVManager, seq: Sequence, tokens: list) -> None:
     """What the model does for a chunk: blocks for the tokens, length advanced, then the scheduler registers."""
     assert m.ensure(seq, len(tokens))
     seq.length = len(tokens)
@@ -16,7 +17,7 @@ def _fed(m: BlockManager, seq: Sequence, tokens: list) -> None:
 
 
 def test_block_manager_matches_whole_cached_blocks_and_evicts_lru():
-    m = BlockManager(num_blocks=6, block_size=4, state_slots=0, device="cpu")
+    m = KVManager(num_blocks=6, block_size=4, state_slots=0, device="cpu")
     a = Sequence()
     _fed(m, a, list(range(10)))                  # blocks [0..3] [4..7] full, [8, 9] partial
     assert len(a.blocks) == 3 and len(m.cached) == 2
@@ -44,7 +45,7 @@ def test_block_manager_matches_whole_cached_blocks_and_evicts_lru():
 
 
 def test_a_parent_evicted_invalidates_its_children():
-    m = BlockManager(num_blocks=3, block_size=2, state_slots=0, device="cpu")
+    m = KVManager(num_blocks=3, block_size=2, state_slots=0, device="cpu")
     a = Sequence()
     _fed(m, a, [1, 2, 3, 4, 5])
     m.release(a)                                # blocks: [1,2] cached, [3,4] cached, [5] free
@@ -75,7 +76,7 @@ def _chat(store, caching: bool, kv_tokens=None):
         eng.run()
         fed = sum(r.tokens for r in eng.steps)
         decode = 32 * 7                         # after its prompt a request feeds 7 of its 8 tokens
-        return [eng.done[i].output for i in ids], fed - decode, model.kv.manager, sum(len(p) for p in prompts)
+        return [eng.done[i].output for i in ids], fed - decode, eng.kv, sum(len(p) for p in prompts)
     finally:
         st.close()
 
@@ -97,7 +98,7 @@ def test_state_snapshots_at_block_boundaries():
     """Per-sequence state: a prefix matches only up to its deepest block with a snapshot of the state after it,
     which is copied into the new sequence's own slot; snapshots are evicted LRU and with their block."""
     copies = []
-    m = BlockManager(num_blocks=8, block_size=2, state_slots=2, device="cpu", snapshots=2,
+    m = KVManager(num_blocks=8, block_size=2, state_slots=2, device="cpu", snapshots=2,
                      copy_state=lambda src, dst: copies.append((src, dst)))
     a = Sequence()
     _fed(m, a, [1, 2, 3, 4])
@@ -126,7 +127,7 @@ def test_state_snapshots_at_block_boundaries():
 
 
 def test_without_spare_slots_stateful_models_do_not_match():
-    m = BlockManager(num_blocks=4, block_size=2, state_slots=1, device="cpu")
+    m = KVManager(num_blocks=4, block_size=2, state_slots=1, device="cpu")
     a = Sequence()
     _fed(m, a, [1, 2, 3, 4])
     m.snapshot(a, [1, 2, 3, 4])
@@ -137,7 +138,7 @@ def test_without_spare_slots_stateful_models_do_not_match():
 def test_a_prefix_computed_twice_files_what_follows_under_the_cached_chain():
     """Two sequences compute the same first block (admitted together); the second's next block is filed after the
     cached copy, so a third request finds both blocks."""
-    m = BlockManager(num_blocks=8, block_size=2, state_slots=0, device="cpu")
+    m = KVManager(num_blocks=8, block_size=2, state_slots=0, device="cpu")
     a, b = Sequence(), Sequence()
     _fed(m, a, [1, 2, 3])
     _fed(m, b, [1, 2, 5, 6, 7])                 # its block [1, 2] duplicates a's: not registered

@@ -12,6 +12,7 @@ from runtime.model.attn_res import BlockAttnRes
 from runtime.model.convert import convert
 from runtime.model.synthetic import K3ShapeSpec, build_k3_checkpoint
 from runtime.store import Manifest
+from helpers import feed
 
 
 def plain_input(emb, outputs, block_of, current_block, query, eps):
@@ -131,8 +132,8 @@ def test_model_residual_stream_is_block_attn_res(k3_store):
             if plain:
                 model.residual = PlainLoop(model)
             s = Sequence()
-            logits.append(torch.stack([model.forward([s], [prompt[:3]])[0]] +
-                                      [model.forward([s], [[t]])[0] for t in prompt[3:]]))
+            logits.append(torch.stack([feed(model, [s], [prompt[:3]])[0]] +
+                                      [feed(model, [s], [[t]])[0] for t in prompt[3:]]))
         finally:
             store.close()
     assert torch.allclose(logits[0], logits[1], atol=1e-4)

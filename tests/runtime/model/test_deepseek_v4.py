@@ -17,7 +17,7 @@ from runtime.model.arch.deepseek_v4 import released_name
 from runtime.model.convert import convert
 from runtime.store import Manifest
 
-from helpers import check_against_transformers, require  # noqa: E402
+from helpers import check_against_transformers, require, feed  # noqa: E402
 
 transformers = require("transformers", "the reference")
 
@@ -273,9 +273,9 @@ def test_cache_bytes_are_what_the_specs_declare_and_chunking_changes_nothing(tmp
         assert kv.nbytes == 2 * per_seq + per_tok * 16 * 10
         prompt = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(1)).tolist()
         s1, s2 = Sequence(), Sequence()
-        one = torch.stack([model.forward([s1], [[t]])[0] for t in prompt])
+        one = torch.stack([feed(model, [s1], [[t]])[0] for t in prompt])
         chunks = [prompt[i:i + 3] for i in range(0, len(prompt), 3)]
-        last = [model.forward([s2], [ch])[0] for ch in chunks]
+        last = [feed(model, [s2], [ch])[0] for ch in chunks]
         ends = [min(i + 3, len(prompt)) - 1 for i in range(0, len(prompt), 3)]
         assert (torch.stack(last) - one[ends]).abs().max().item() < 1e-4
     finally:

@@ -14,6 +14,7 @@ from runtime.engine import Engine, SamplingParams
 from runtime.model import Sequence, StepHooks, load_model
 from runtime.model.convert import convert
 from runtime.store import Manifest
+from helpers import feed
 
 from conftest import build_hf
 
@@ -49,8 +50,8 @@ def _decode(store_dir, fused, frac, monkeypatch):
         seqs = [Sequence() for _ in range(3)]
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 2, 7)]
-        model.forward(seqs, prompts)
-        steps = [model.forward(seqs, [[t] for t in torch.randint(0, 96, (3,), generator=g).tolist()]) for _ in range(6)]
+        feed(model, seqs, prompts)
+        steps = [feed(model, seqs, [[t] for t in torch.randint(0, 96, (3,), generator=g).tolist()]) for _ in range(6)]
         return which, torch.stack(steps), dict(st.stats.hits)
     finally:
         st.close()
@@ -97,10 +98,10 @@ def test_cache_bonus_and_other_dtypes_run_composed(store, monkeypatch):
                 orig = f._attention
                 f._attention = lambda *a, _o=orig: (calls.append(1), _o(*a))
         s = Sequence()
-        model.forward([s], [[1, 2, 3]])
-        model.forward([s], [[4]], StepHooks(cache_bonus=0.5))
+        feed(model, [s], [[1, 2, 3]])
+        feed(model, [s], [[4]], StepHooks(cache_bonus=0.5))
         assert not calls
-        model.forward([s], [[5]], StepHooks(cache_bonus=0.0))
+        feed(model, [s], [[5]], StepHooks(cache_bonus=0.0))
         assert len(calls) == len(FUSED[arch])
     finally:
         st.close()

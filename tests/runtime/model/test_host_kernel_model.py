@@ -13,7 +13,7 @@ from runtime.model import Sequence, load_model
 from runtime.model.convert import convert
 from runtime.store import Manifest
 
-from helpers import check_against_transformers  # noqa: E402
+from helpers import check_against_transformers, feed  # noqa: E402
 
 pytestmark = pytest.mark.slow
 if kernels.lib() is None:
@@ -44,7 +44,7 @@ def _logits(store_dir, tokens):
     model, store = load_model(store_dir)
     try:
         s = Sequence()
-        return torch.stack([model.forward([s], [[t]])[0] for t in tokens]), model
+        return torch.stack([feed(model, [s], [[t]])[0] for t in tokens]), model
     finally:
         store.close()
 
@@ -101,7 +101,7 @@ def test_dense_quant_quantizes_every_projection_and_stays_close(bf16, dq, tol):
                 assert layer.ffn.router.quant == "none"
         assert model.head.quant == "int8"
         s = Sequence()
-        got = torch.stack([model.forward([s], [[t]])[0] for t in tokens])
+        got = torch.stack([feed(model, [s], [[t]])[0] for t in tokens])
     finally:
         store.close()
     err = ((got - want).norm() / want.norm()).item()

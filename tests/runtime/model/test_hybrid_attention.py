@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.engine import Engine, SamplingParams
+from runtime.engine.kv_manager import KVManager
 from runtime.model import MoEConfig, Sequence, load_model
 from runtime.model.convert import convert, load_dense
 from runtime.model.linear_attention import GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, KimiDeltaAttention
 from runtime.model.moe import StateCacheSpec, TokenCacheSpec
 
 from conftest import build_hf
-from helpers import check_against_transformers
+from helpers import check_against_transformers, feed
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_chunked_prefill_logits_match_transformers(kimi):
     try:
         s, got = Sequence(), []
         for a in range(0, 23, 5):
-            got.append((min(a + 5, 23) - 1, model.forward([s], [prompt[0, a:a + 5].tolist()])[0]))
+            got.append((min(a + 5, 23) - 1, feed(model, [s], [prompt[0, a:a + 5].tolist()])[0]))
         for pos, logits in got:
             assert (logits - want[pos]).abs().max().item() < 1e-4, pos
     finally:
@@ -101,7 +102,7 @@ def test_cache_specs_and_one_budget(kimi):
         assert model.state_bytes_per_sequence() == per_seq
         assert model.cache_bytes(1000) == 1000 * 24 * f32 + per_seq
         kv = model.init_kv(3 * per_seq + 10 * 16 * 24 * f32, max_seqs=3)
-        assert (kv.state_slots, kv.num_blocks, kv.free_sequences) == (3, 10, 3)
+        assert (kv.state_slots, kv.num_blocks, KVManager.for_cache(kv).free_sequences) == (3, 10, 3)
         assert kv.nbytes == 3 * per_seq + 10 * 16 * 24 * f32
         with pytest.raises(ValueError, match=rf"the recurrent state of 3 sequences \({3 * per_seq:,} bytes\).*the minimum is "
                                              rf"{3 * per_seq + 16 * 24 * f32:,} bytes"):
@@ -154,10 +155,10 @@ def test_state_slots_limit_admission_and_are_reset(kimi):
         eng = Engine(model, store, max_batch=2)
         ids = [eng.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
         eng.step()
-        assert len(eng.running) == 1 and model.kv.free_sequences == 0     # the others wait for the slot
+        assert len(eng.running) == 1 and eng.kv.free_sequences == 0     # the others wait for the slot
         eng.run()
         assert [eng.done[i].output for i in ids] == alone
-        assert model.kv.free_sequences == 1
+        assert eng.kv.free_sequences == 1
     finally:
         store.close()
 
@@ -280,8 +281,8 @@ def test_sliding_window_layers_keep_a_ring_of_the_window(arch, tmp_path):
             want = ref(prompt).logits[0]
         s = Sequence()
         first = 2 * W + 1                                                # longer than the ring
-        got = [(first - 1, model.forward([s], [prompt[0, :first].tolist()])[0])]
-        got += [(p, model.forward([s], [[int(prompt[0, p])]])[0]) for p in range(first, prompt.shape[1])]
+        got = [(first - 1, feed(model, [s], [prompt[0, :first].tolist()])[0])]
+        got += [(p, feed(model, [s], [[int(prompt[0, p])]])[0]) for p in range(first, prompt.shape[1])]
         for p, logits in got:
             assert (logits - want[p]).abs().max().item() < 1e-4, p
     finally:

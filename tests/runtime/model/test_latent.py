@@ -8,6 +8,7 @@ from runtime.model.convert import convert
 from runtime.model.moe import route
 from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
 from runtime.store import Manifest
+from helpers import feed
 
 
 def test_latent_moe_matches_the_formula_and_offloading_changes_nothing(tmp_path):
@@ -33,13 +34,13 @@ def test_latent_moe_matches_the_formula_and_offloading_changes_nothing(tmp_path)
                 want[t] += wts[t, j] * (h @ w[f"{p}experts.{e}.w2.weight"].T)
         want = F.linear(want, w[p + "latent_up.weight"])
         assert torch.allclose(model.layers[1].ffn(x), want, atol=1e-5)
-        full = model.forward([Sequence()], [[1, 2, 3, 4, 5]])
+        full = feed(model, [Sequence()], [[1, 2, 3, 4, 5]])
     finally:
         store.close()
     model2, store2 = load_model(str(tmp_path / "s"), expert_budget=3 * m.blob_stride)
     try:
         # Experts may be summed in another order when they arrive in waves: equal up to rounding.
-        assert torch.allclose(model2.forward([Sequence()], [[1, 2, 3, 4, 5]]), full, atol=1e-6)
+        assert torch.allclose(feed(model2, [Sequence()], [[1, 2, 3, 4, 5]]), full, atol=1e-6)
         assert store2.stats.waves > 0 or store2.stats.hits["host"] > 0
     finally:
         store2.close()

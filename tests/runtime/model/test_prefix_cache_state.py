@@ -37,7 +37,7 @@ def _chat(store, caching: bool, every=256):
         ids = [eng.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
         eng.run()
         prefill = sum(r.tokens for r in eng.steps) - N * 5
-        return [eng.done[i].output for i in ids], prefill, model.kv.manager, sum(len(p) for p in prompts)
+        return [eng.done[i].output for i in ids], prefill, eng.kv, sum(len(p) for p in prompts)
     finally:
         st.close()
 

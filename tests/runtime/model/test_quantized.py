@@ -17,7 +17,7 @@ from runtime.model.convert import convert
 from runtime.quant import ExpertCodec, blob_tensor_specs, expert_weight_specs, get_format
 from runtime.store import Manifest
 
-from helpers import check_against_transformers, require  # noqa: E402
+from helpers import check_against_transformers, require, feed  # noqa: E402
 
 
 def _model_conftest():
@@ -359,11 +359,11 @@ def test_quantize_a_float_checkpoint(quant, tmp_path):
         model, store = load_model(str(tmp_path / k))
         try:
             s = Sequence()
-            out = [model.forward([s], [seq[:8]])[0]]
+            out = [feed(model, [s], [seq[:8]])[0]]
             for j in range(31):
                 if k == "f":
                     seq.append(int(out[-1].argmax()))
-                out.append(model.forward([s], [[seq[8 + j]]])[0])
+                out.append(feed(model, [s], [[seq[8 + j]]])[0])
             logp[k] = torch.stack(out).log_softmax(-1)                   # [32, vocab]
         finally:
             store.close()

@@ -5,6 +5,7 @@ import torch
 
 from runtime.engine import Engine, SamplingParams
 from runtime.model import Sequence, StepHooks, load_model
+from helpers import feed
 
 
 def test_route_preview_equals_the_layers_routing(hf_model):
@@ -20,7 +21,7 @@ def test_route_preview_equals_the_layers_routing(hf_model):
         s = Sequence()
         for chunk in ([5, 17, 3, 60, 2, 9], [11]):          # a prefill chunk, then a decode step
             routed.clear(), inputs.clear()
-            model.forward([s], [chunk], hooks)
+            feed(model, [s], [chunk], hooks)
             assert sorted(routed) == sorted(inputs) == list(range(model.cfg.num_moe_layers)), name
             for m in routed:
                 assert torch.equal(model.route_preview(m, inputs[m]), routed[m]), (name, m)
@@ -63,7 +64,7 @@ def test_the_routed_hook_fires_before_the_layers_experts_compute(hf_model):
         s = Sequence()
         for chunk in ([5, 17, 3, 60, 2, 9], [11], [12]):
             events.clear()
-            model.forward([s], [chunk], hooks)
+            feed(model, [s], [chunk], hooks)
             layers = [e for e in events if e != "compute"]
             assert layers == list(range(model.cfg.num_moe_layers)), name
             # each layer's hook, then that layer's expert computations, then the next layer's hook
