@@ -5,10 +5,6 @@ import pytest
 from runtime.engine import Engine, SamplingParams
 from runtime.model import load_model
 
-
-
-
-
 PROMPTS = [list(range(1, 1 + n)) for n in (20, 7, 30, 12)]
 
 
@@ -84,5 +80,29 @@ def test_expert_aware_schedule_with_a_tight_cache(store):
         eng.run()
         assert [eng.done[i].output for i in ids] == want
         assert eng.kv.free_blocks == eng.kv.num_blocks
+    finally:
+        st.close()
+
+
+def test_the_model_allocates_nothing_the_engines_manager_gives_the_blocks(store):
+    """One allocator: a forward over a sequence that holds no blocks (or fewer than its chunk needs) is refused,
+    naming the KVManager; blocks prepared by the manager run, and release gives every one back."""
+    from runtime.engine.kv_manager import KVManager
+    from runtime.model import Sequence
+    model, st = load_model(store)
+    try:
+        model.init_kv(64 * model.kv_bytes_per_token(), block_size=8)
+        kv = KVManager.for_cache(model.kv)
+        s = Sequence()
+        with pytest.raises(ValueError, match=r"sequence 0 holds KV blocks for 0 tokens.*KVManager"):
+            model.forward([s], [[1, 2, 3]])
+        assert kv.free_blocks == kv.num_blocks == 8 and s.blocks == []
+        kv.prepare([s], [list(range(1, 10))])                   # 9 tokens: two blocks of 8
+        assert len(s.blocks) == 2 and kv.free_blocks == 6
+        model.forward([s], [list(range(1, 10))])
+        with pytest.raises(ValueError, match=r"holds KV blocks for 16 tokens, the forward feeds it to 17"):
+            model.forward([s], [list(range(10, 18))])
+        kv.release(s)
+        assert kv.free_blocks == 8 and s.blocks == []
     finally:
         st.close()
