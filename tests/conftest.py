@@ -15,6 +15,25 @@ def pytest_sessionstart(session):
                         f"{kernels.unavailable()}", returncode=1)
 
 
+IMAGE_TEST = "tests/docker/test_image.py"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The container test, when selected, runs last, and its image starts building now on a background thread
+    (tests/imagebuild.py: mostly downloads and unpacking) while the rest of the suite runs."""
+    image = [it for it in items if it.nodeid.startswith(IMAGE_TEST)]
+    if image and not config.option.collectonly:
+        items[:] = [it for it in items if not it.nodeid.startswith(IMAGE_TEST)] + image
+        import imagebuild
+        imagebuild.build()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+    if "imagebuild" in sys.modules:
+        sys.modules["imagebuild"].close()
+
+
 @pytest.fixture(scope="session")
 def deepseek_trace():
     from cache_policy.traces import load_trace

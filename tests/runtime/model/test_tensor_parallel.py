@@ -164,15 +164,28 @@ def _stage_slots(store_dir: str, N: int, stages: int, fraction: "float | None") 
     return n * (m.blob_stride if N == 1 else rank_manifest(m, Shard(0, N)).blob_stride)
 
 
+# Four ranks on this project's 2-core machines cost about 5 s per store and budget (a group of processes is
+# started for each): two ranks take every architecture; four ranks and two stages take one of each way a layer
+# splits - GQA, MLA, sliding window, gated shared expert, expert biases, KDA and Gated DeltaNet heads (split at 2
+# and 4 ranks or replicated), DeepSeek-V4 (hash routing, hyper-connections), K3's MXFP4 experts -, the others
+# with TIERED_MOE_TP_EVERY_ARCH=1.
+SPLIT_KINDS = ("mixtral", "mixtral_swa", "qwen2_moe", "deepseek_v3", "gpt_oss", "kimi_linear", "qwen3_next",
+               "qwen3_5_moe_text", "deepseek_v4", "k3_mxfp4")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,stages", [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2xpp2"])
 def test_group_matches_one_process(arch_stores, world, stages):
     """Tensor-parallel ranks (x pipeline stages): logits, 32 greedy tokens, residency and bytes against one
     process."""
     from runtime.parallel.group import open_group
+    assert set(SPLIT_KINDS) <= set(arch_stores), set(SPLIT_KINDS) - set(arch_stores)
+    every = world == 2 and stages == 1 or os.environ.get("TIERED_MOE_TP_EVERY_ARCH") == "1"
     group = None
     try:
         for arch, store_dir in arch_stores.items():
+            if not every and arch not in SPLIT_KINDS:
+                continue
             if stages > 1 and MoEConfig.from_hf(store_dir).attn_res_block_layers:
                 with pytest.raises(ValueError, match="Block Attention Residuals"):
                     RuntimeConfig(model=store_dir, tensor_parallel=world, pipeline_parallel=stages)
