@@ -29,17 +29,20 @@ cut a scale block or a packed word is refused with the numbers that cut it.
 
 This module plans a rank's split (``plan``), a pipeline stage's layers and the all-reduces a layout costs.
 The cuts themselves live where they are made: an expert's in runtime/store/slices.py (the store cuts the
-blobs it reads), the dense tensors' in runtime/model/dense_slices.py (``load_model`` slices them).
+blobs it reads); each attention kind and the MLP declare their own split (``head_split``, ``shard_tensors`` in
+runtime/model/layers/, vLLM's column / row parallel linears with their weight loaders), walked per layer by
+runtime/model/dense_slices.py (``load_model`` slices a rank's tensors). This module only combines them.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from cache_policy.layout import stage_ranges
 
 from ..model.config import MoEConfig
+from ..model.layers.kinds import attention_kind
+from ..model.layers.protocol import HeadSplit
 # A rank's slice of each expert is the store's (it cuts the blobs it reads) and of the dense tensors the
 # model's (load_model slices them); both importable from here as before.
 from ..model.dense_slices import shard_dense  # noqa: F401
@@ -75,31 +78,17 @@ def plan(cfg: MoEConfig, shard: Shard) -> ShardPlan:
     if cfg.expert_intermediate % N:
         raise ValueError(f"{cfg.source}: the expert intermediate size {cfg.expert_intermediate} does not split over "
                          f"{N} tensor-parallel ranks; use a size that divides it")
-    gqa = cfg.attention == "gqa" and cfg.qk_norm != "full"
-    mla = cfg.attention == "mla"
-    why = ""
-    if cfg.attention == "v4":
-        why = "DeepSeek-V4's attention has one shared K=V head"
-    elif cfg.attention == "gqa" and cfg.qk_norm == "full":
-        why = "its q/k RMSNorm spans every head"
-    elif cfg.num_heads % N:
-        why = f"{cfg.num_heads} heads do not split over {N} ranks"
-    elif gqa and cfg.num_kv_heads % N and N % cfg.num_kv_heads:
-        why = f"{cfg.num_kv_heads} kv heads neither split over nor replicate evenly onto {N} ranks"
-    split_attn = (gqa or mla) and not why
+    # each layer's attention kind says whether its heads split (layers/*.py ``head_split``): one softmax kind
+    # and at most one linear kind per model
+    lin = set(cfg.linear_layers)
+    kinds = {i: attention_kind(cfg, i) for i in range(cfg.num_layers)}
+    splits = {k: k.head_split(cfg, shard) for k in set(kinds.values())}
+    soft = next((splits[kinds[i]] for i in range(cfg.num_layers) if i not in lin), HeadSplit())
+    linear_split = next((splits[kinds[i]] for i in sorted(lin)), None)
     changes = {"expert_intermediate": cfg.expert_intermediate // N}
-    kv_heads = None
-    if split_attn:
-        changes["num_heads"] = cfg.num_heads // N
-        if gqa:
-            nkv = cfg.num_kv_heads
-            if nkv % N == 0:
-                kv_heads = tuple(range(*Shard(r, N).part(nkv)))
-            else:   # fewer kv heads than ranks: each rank keeps the one its q heads read
-                kv_heads = ((r * nkv) // N,)
-            changes["num_kv_heads"] = len(kv_heads)
-        else:     # MLA: no kv heads (one latent per token); the field only has to stay consistent
-            changes["num_kv_heads"] = math.gcd(cfg.num_kv_heads, cfg.num_heads // N)
+    for sp in splits.values():
+        if not sp.why:
+            changes.update(sp.changes)
     dense_mlp = "split" if cfg.dense_intermediate % N == 0 else "rank0"
     if dense_mlp == "split":
         changes["dense_intermediate"] = cfg.dense_intermediate // N
@@ -109,14 +98,11 @@ def plan(cfg: MoEConfig, shard: Shard) -> ShardPlan:
     elif shared == "rank0" and r:
         changes.update(shared_intermediate=0, shared_expert_gate=False)
     local = dataclasses.replace(cfg, **changes)
-    lin = set(cfg.linear_layers)
-    linear = "none" if not lin else "split" if cfg.linear_num_heads % N == 0 else "replicated"
-    if linear == "split":
-        local = dataclasses.replace(local, linear_num_heads=cfg.linear_num_heads // N,
-                                    linear_num_v_heads=cfg.linear_num_v_heads // N)
-    attn_split = tuple((linear == "split") if i in lin else split_attn for i in range(cfg.num_layers))
+    linear = "none" if linear_split is None else "replicated" if linear_split.why else "split"
+    attn_split = tuple(not splits[kinds[i]].why for i in range(cfg.num_layers))
     ffn_split = tuple(N > 1 for _ in range(cfg.num_layers))   # experts always split; dense MLPs split or rank 0's
-    return ShardPlan(shard, local, attn_split, ffn_split, kv_heads, dense_mlp, shared, why, linear)
+    return ShardPlan(shard, local, attn_split, ffn_split, None if soft.why else soft.kv_heads, dense_mlp, shared,
+                     soft.why, linear)
 
 
 def stage_layers(cfg: MoEConfig, stages: int, stage: int) -> tuple:

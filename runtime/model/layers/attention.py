@@ -12,7 +12,7 @@ from ..config import MoEConfig
 from .cache import TokenCacheSpec, WindowCacheSpec
 from .context import ForwardContext
 from .norm import RMSNorm
-from .protocol import Sublayer
+from .protocol import HeadSplit, Sublayer, cols, rows
 from .rope import rotate_half_roll
 from .dense import Linear
 from .weights import compute_dtype, layer_prefix, linear_opts, take, take_opt, take_raw
@@ -75,6 +75,43 @@ class Attention(Sublayer):
         if self.ring_index is not None or self.sinks is not None or self.gated:
             return "sliding-window, sink or gated attention"
         return None
+
+    @classmethod
+    def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
+        """q heads split into equal parts; kv heads split with them, or - fewer kv heads than ranks - each rank
+        keeps the one its q heads read (replicated, as vLLM does)."""
+        N, r = shard.world, shard.rank
+        if cfg.qk_norm == "full":
+            return HeadSplit(why="its q/k RMSNorm spans every head")
+        if cfg.num_heads % N:
+            return HeadSplit(why=f"{cfg.num_heads} heads do not split over {N} ranks")
+        nkv = cfg.num_kv_heads
+        if nkv % N and N % nkv:
+            return HeadSplit(why=f"{nkv} kv heads neither split over nor replicate evenly onto {N} ranks")
+        kv = tuple(range(*shard.part(nkv))) if nkv % N == 0 else ((r * nkv) // N,)
+        return HeadSplit(changes={"num_heads": cfg.num_heads // N, "num_kv_heads": len(kv)}, kv_heads=kv)
+
+    @staticmethod
+    def shard_tensors(cfg: MoEConfig, i: int, out: dict, plan) -> None:
+        """q / k / v (and their biases, sinks) by rows of the rank's heads, o by the same columns; o's bias added
+        once (rank 0's)."""
+        p = layer_prefix(i) + "self_attn."
+        r = plan.shard.rank
+        nh, hd = cfg.num_heads, cfg.head_dim
+        qh = plan.shard.part(nh)
+        per = hd * (2 if cfg.attn_output_gate else 1)       # Qwen3-Next: [q | gate] per head, whole heads move
+        for sfx in ("weight", "bias"):
+            if p + "q_proj." + sfx in out:
+                out[p + "q_proj." + sfx] = rows(out[p + "q_proj." + sfx], qh[0] * per, qh[1] * per)
+            for n in ("k_proj.", "v_proj."):
+                if p + n + sfx in out:
+                    t = out[p + n + sfx]
+                    out[p + n + sfx] = torch.cat([t[h * hd:(h + 1) * hd] for h in plan.kv_heads]).contiguous()
+        out[p + "o_proj.weight"] = cols(out[p + "o_proj.weight"], qh[0] * hd, qh[1] * hd)
+        if p + "o_proj.bias" in out and r:
+            out[p + "o_proj.bias"] = torch.zeros_like(out[p + "o_proj.bias"])   # added once: by rank 0
+        if p + "sinks" in out:
+            out[p + "sinks"] = out[p + "sinks"][qh[0]:qh[1]].contiguous()
 
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int):

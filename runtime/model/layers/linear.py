@@ -11,7 +11,7 @@ from ..linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, K
 from .cache import StateCacheSpec
 from .context import ForwardContext
 from .weights import layer_prefix, take
-from .protocol import Sublayer
+from .protocol import HeadSplit, Sublayer, cols, rows
 
 
 def linear_kind(cfg: MoEConfig):
@@ -32,6 +32,21 @@ class LinearAttentionLayer(Sublayer):
         p = layer_prefix(i) + cfg.linear_prefix
         self.state_index = state_index
         self.layer = kind(lc, {n[len(p):]: take(w, n) for n in linear_names(cfg, i)}, name=f"layer {i}")
+
+    @classmethod
+    def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
+        """Heads split (Gated DeltaNet: key-head groups with their value heads); each rank keeps its heads'
+        recurrent state, so the state arena splits too. The low-rank first factors and the per-head output
+        norm are replicated."""
+        N = shard.world
+        if cfg.linear_num_heads % N:
+            return HeadSplit(why=f"{cfg.linear_num_heads} linear-attention heads do not split over {N} ranks")
+        return HeadSplit(changes={"linear_num_heads": cfg.linear_num_heads // N,
+                                  "linear_num_v_heads": cfg.linear_num_v_heads // N})
+
+    @staticmethod
+    def shard_tensors(cfg: MoEConfig, i: int, out: dict, plan) -> None:
+        _SHARD_TENSORS.get(cfg.linear_kind, _shard_gdn)(cfg, out, layer_prefix(i) + cfg.linear_prefix, plan.shard)
 
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int) -> StateCacheSpec:
@@ -70,3 +85,46 @@ class LinearAttentionLayer(Sublayer):
             C[s.state] = st.conv
             out[a:b] = y
         return out
+
+
+def _shard_kda(cfg: MoEConfig, out: dict, p: str, shard) -> None:
+    """Kimi Delta Attention's tensors (the released names: runtime/model/arch/kimi_linear.py) for the rank's heads."""
+    a, b = shard.part(cfg.linear_num_heads)
+    K = cfg.linear_head_dim
+    for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+              "v_conv1d.weight", "f_b_proj.weight", "g_b_proj.weight", "dt_bias"):
+        out[p + n] = rows(out[p + n], a * K, b * K)
+    out[p + "b_proj.weight"] = rows(out[p + "b_proj.weight"], a, b)
+    out[p + "A_log"] = out[p + "A_log"][..., a:b, :].contiguous() if out[p + "A_log"].dim() == 4 else \
+        out[p + "A_log"][a:b].contiguous()
+    out[p + "o_proj.weight"] = cols(out[p + "o_proj.weight"], a * K, b * K)
+
+
+def _shard_gdn(cfg: MoEConfig, out: dict, p: str, shard) -> None:
+    """Gated DeltaNet's tensors (runtime/model/arch/qwen3_next.py's table) for the rank's key-head groups."""
+    Hk, Dk, Hv, Dv = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_num_v_heads, cfg.linear_value_head_dim
+    a, b = shard.part(Hk)
+    r = Hv // Hk                                         # value heads per key head
+    va, vb = a * r, b * r
+
+    def flat_qkv(t: torch.Tensor) -> torch.Tensor:      # rows (or conv channels) q | k | v, each flat over heads
+        q, k, v = t[:Hk * Dk], t[Hk * Dk:2 * Hk * Dk], t[2 * Hk * Dk:]
+        return torch.cat([q[a * Dk:b * Dk], k[a * Dk:b * Dk], v[va * Dv:vb * Dv]]).contiguous()
+    if p + "in_proj_qkvz.weight" in out:                 # Qwen3-Next: grouped per key head [q k v z] and [b a]
+        w = out[p + "in_proj_qkvz.weight"]
+        out[p + "in_proj_qkvz.weight"] = w.reshape(Hk, -1, w.shape[1])[a:b].reshape(-1, w.shape[1]).contiguous()
+        w = out[p + "in_proj_ba.weight"]
+        out[p + "in_proj_ba.weight"] = w.reshape(Hk, -1, w.shape[1])[a:b].reshape(-1, w.shape[1]).contiguous()
+    else:                                                # Qwen3.5: flat
+        out[p + "in_proj_qkv.weight"] = flat_qkv(out[p + "in_proj_qkv.weight"])
+        out[p + "in_proj_z.weight"] = rows(out[p + "in_proj_z.weight"], va * Dv, vb * Dv)
+        for n in ("in_proj_b.weight", "in_proj_a.weight"):
+            out[p + n] = rows(out[p + n], va, vb)
+    out[p + "conv1d.weight"] = flat_qkv(out[p + "conv1d.weight"])
+    for n in ("dt_bias", "A_log"):
+        out[p + n] = rows(out[p + n], va, vb)
+    out[p + "out_proj.weight"] = cols(out[p + "out_proj.weight"], va * Dv, vb * Dv)
+
+
+# the linear-attention kind's cut, by the kind the config names (Gated DeltaNet otherwise, as ``linear_kind``)
+_SHARD_TENSORS = {"kda": _shard_kda}

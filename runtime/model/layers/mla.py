@@ -3,6 +3,8 @@ per token, the normalised KV latent and the shared rotary key; prefill expands k
 from it through kv_b_proj, decode attends in the latent space (weight absorption)."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -13,7 +15,7 @@ from .context import ForwardContext
 from .norm import RMSNorm
 from .rope import _no_rotation, _rotate, mla_softmax_scale, rope_interleaved
 from .weights import layer_prefix, take
-from .protocol import Sublayer
+from .protocol import HeadSplit, Sublayer, cols, rows
 
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever the model's rms_norm_eps: so
@@ -43,6 +45,28 @@ class MLAttention(Sublayer):
         self.o = take(w, p + "o_proj.weight")
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
         self.rot = _no_rotation if not cfg.mla_rope else rope_interleaved if cfg.rope_interleave else _rotate
+
+    @classmethod
+    def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
+        """Heads split; the latent projections and the latent cache are replicated (the cache has no heads)."""
+        N = shard.world
+        if cfg.num_heads % N:
+            return HeadSplit(why=f"{cfg.num_heads} heads do not split over {N} ranks")
+        # no kv heads (one latent per token): the field only has to stay consistent
+        return HeadSplit(changes={"num_heads": cfg.num_heads // N,
+                                  "num_kv_heads": math.gcd(cfg.num_kv_heads, cfg.num_heads // N)})
+
+    @staticmethod
+    def shard_tensors(cfg: MoEConfig, i: int, out: dict, plan) -> None:
+        """q (or q_b) and kv_b by rows of the rank's heads, o by the same columns."""
+        p = layer_prefix(i) + "self_attn."
+        a, b = plan.shard.part(cfg.num_heads)
+        qk, kvw, vd = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                       cfg.v_head_dim)
+        q = p + ("q_b_proj.weight" if cfg.q_lora_rank else "q_proj.weight")
+        out[q] = rows(out[q], a * qk, b * qk)
+        out[p + "kv_b_proj.weight"] = rows(out[p + "kv_b_proj.weight"], a * kvw, b * kvw)
+        out[p + "o_proj.weight"] = cols(out[p + "o_proj.weight"], a * vd, b * vd)
 
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int) -> TokenCacheSpec:

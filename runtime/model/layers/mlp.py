@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from .dense import Linear
 from .weights import compute_dtype, linear_opts, take_raw
-from .protocol import Sublayer
+from .protocol import Sublayer, cols, rows
 
 
 class DenseMLP(Sublayer):
@@ -25,6 +25,21 @@ class DenseMLP(Sublayer):
     def tensors(prefix: str, inter: int, hidden: int) -> dict:
         return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
                 prefix + "down_proj.weight": (hidden, inter)}
+
+    @staticmethod
+    def shard_tensors(out: dict, prefix: str, inter: int, how: str, shard) -> None:
+        """A rank's part of the MLP at ``prefix`` in ``out``: ``split`` - gate and up by rows of its part of the
+        intermediate axis, down by the same columns (its output a partial sum); ``rank0`` - rank 0 keeps it
+        whole, the others drop it (they add nothing to the all-reduce)."""
+        names = [prefix + n for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
+        if how == "rank0":
+            if shard.rank:
+                for n in names:
+                    out.pop(n, None)
+            return
+        a, b = shard.part(inter)
+        out[names[0]], out[names[1]] = rows(out[names[0]], a, b), rows(out[names[1]], a, b)
+        out[names[2]] = cols(out[names[2]], a, b)
 
     def __call__(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         # x: [tokens, hidden]

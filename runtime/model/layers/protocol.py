@@ -6,8 +6,36 @@ ops, a host kernel, CUDA - is decided when it is built (vLLM's CustomOp idea), n
 
 ``fused_refusal`` tells the fused CPU decode (layers/fused.py, a GQA attention + MoE layer in two host
 kernel calls) whether it can take this sublayer: None where it can, else the reason (kept per layer
-in ``MoEModel.fused_why``). Kinds the kernel covers override it; every other kind inherits the refusal."""
+in ``MoEModel.fused_why``). Kinds the kernel covers override it; every other kind inherits the refusal.
+
+Tensor parallelism (runtime/parallel/shard.py plans it, vLLM's column / row parallel linears): an attention
+kind says whether its heads split over ``world`` ranks (``head_split``: the rank's config fields, or why
+not - then every rank runs the layer whole) and cuts its checkpoint tensors to a rank's heads
+(``shard_tensors``); the default is to replicate."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How an attention kind's heads split over tensor-parallel ranks: ``why`` they do not (empty: they split),
+    the rank's config fields (``changes``), and for GQA the global kv heads the rank keeps."""
+    why: str = ""
+    changes: dict = field(default_factory=dict)
+    kv_heads: "tuple | None" = None
+
+
+def rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of t (a column-parallel cut: output features)."""
+    return t[a:b].contiguous()
+
+
+def cols(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Columns [a, b) of t (a row-parallel cut: input features; the outputs are partial sums)."""
+    return t[:, a:b].contiguous()
 
 
 class Sublayer:
@@ -15,3 +43,14 @@ class Sublayer:
 
     def fused_refusal(self) -> "str | None":
         return f"{type(self).__name__} has no fused host decode"
+
+    @classmethod
+    def head_split(cls, cfg, shard) -> HeadSplit:
+        """Whether this kind's heads split over ``shard.world`` ranks, and the rank's config fields if so."""
+        return HeadSplit(why=f"{cls.__name__} does not split its heads")
+
+    @staticmethod
+    def shard_tensors(cfg, i: int, out: dict, plan) -> None:
+        """Cut layer ``i``'s tensors in ``out`` (name -> tensor, changed in place) to the rank's heads; called
+        only where ``head_split`` said they split."""
+        raise NotImplementedError

@@ -34,7 +34,7 @@ from ..config import MoEConfig
 from .context import ForwardContext
 from .rope import inv_frequencies
 from .weights import layer_prefix, take
-from .protocol import Sublayer
+from .protocol import HeadSplit, Sublayer
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,10 @@ class V4Attention(Sublayer):
                 self.iq_b = take(w, q + "q_b_proj.weight")
                 self.iw = take(w, q + "scorer.weights_proj.weight")
                 self.ih, self.idim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+
+    @classmethod
+    def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
+        return HeadSplit(why="DeepSeek-V4's attention has one shared K=V head")   # every rank runs it whole
 
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int) -> CompressedCacheSpec:
