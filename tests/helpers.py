@@ -80,10 +80,9 @@ def feed(model, seqs: list, chunks: list, hooks=None):
     global _MANAGERS
     if _MANAGERS is None:
         _MANAGERS = weakref.WeakKeyDictionary()
-    if model.kv is None:
-        model.init_kv()
-    mgr = _MANAGERS.get(model.kv)
+    mgr = _MANAGERS.get(model.kv) if model.kv is not None else None
     if mgr is None:
-        mgr = _MANAGERS[model.kv] = KVManager.for_cache(model.kv)
+        mgr = KVManager.for_model(model)          # makes the cache if the model has none
+        _MANAGERS[model.kv] = mgr
     mgr.prepare(seqs, chunks)
     return model.forward(seqs, chunks, hooks if hooks is not None else StepHooks())

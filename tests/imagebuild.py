@@ -74,7 +74,6 @@ class ImageBuild:
         self.dockerd = None
         self.work = tempfile.mkdtemp(prefix="tiered-moe-image-")
         self.thread = threading.Thread(target=self._run, name="image-build", daemon=True)
-        self.seconds = None
 
     def start(self) -> "ImageBuild":
         self.thread.start()
@@ -85,7 +84,6 @@ class ImageBuild:
         return self.outcome
 
     def _run(self) -> None:
-        t0 = time.monotonic()
         try:
             self._daemon()
             self.outcome = self._image(self._base())
@@ -93,7 +91,6 @@ class ImageBuild:
             self.outcome = ("skip", str(e))
         except Exception as e:         # reported by the test that needs the image
             self.outcome = ("error", f"{type(e).__name__}: {e}")
-        self.seconds = time.monotonic() - t0
 
     def _daemon(self) -> None:
         if shutil.which("docker") is None:
