@@ -163,9 +163,10 @@ def build_decode_store(work: str, dry: bool) -> str:
     return store
 
 
-def decode_run(store: str, dev: str, dry: bool, frac: float, prefetch: str, **kw) -> "tuple[float, float]":
+def decode_run(store: str, dev: str, dry: bool, frac: float, prefetch: str, stall: "list | None" = None,
+               **kw) -> "tuple[float, float]":
     """Batch-1 decode with ``frac`` of the experts on the device: (seconds, host->device bytes) per step, the
-    first decode steps left out."""
+    first decode steps left out; ``stall``: gets the seconds per step compute waited for experts."""
     from runtime.engine import Engine, SamplingParams
     from runtime.model import load_model
     from runtime.store import Manifest
@@ -177,6 +178,8 @@ def decode_run(store: str, dev: str, dry: bool, frac: float, prefetch: str, **kw
         eng.add_request(list(range(8)), SamplingParams(max_tokens=16 if dry else 48, ignore_eos=True))
         eng.run()
         dec = [s for s in eng.steps if s.tokens == 1][4:]
+        if stall is not None:
+            stall.append(sum(s.stall_seconds for s in dec) / len(dec))
         return (sum(s.seconds for s in dec) / len(dec), sum(s.bytes["host_to_device"] for s in dec) / len(dec))
     finally:
         st.close()
@@ -185,9 +188,14 @@ def decode_run(store: str, dev: str, dry: bool, frac: float, prefetch: str, **kw
 def decode_check(store: str, dev: str, dry: bool, gbps: float) -> "tuple[float, dict]":
     """3. Decode step with lookahead prefetch vs max(compute, transfer): (all-resident step seconds, the report)."""
     compute, _ = decode_run(store, dev, dry, 1.0, "none")
-    step, moved = decode_run(store, dev, dry, 0.25, "lookahead")
+    stall: list = []
+    step, moved = decode_run(store, dev, dry, 0.25, "lookahead", stall)
+    step_none, _ = decode_run(store, dev, dry, 0.25, "none", stall)
     transfer = moved / (gbps * 1e9)
+    # the stall with the lookahead prefetch (issued when the layer before routes: issue 28) and without one
     return compute, {"compute_ms": compute * 1e3, "transfer_ms": transfer * 1e3, "step_ms_with_prefetch": step * 1e3,
+                     "step_ms_no_prefetch": step_none * 1e3, "stall_ms_lookahead": stall[0] * 1e3,
+                     "stall_ms_no_prefetch": stall[1] * 1e3,
                      "ratio_to_max": step / max(compute, transfer), "goal_met": step <= 1.15 * max(compute, transfer)}
 
 

@@ -16,7 +16,9 @@ Model of one decode step (documented so that projections can be checked by hand)
   expert, one token; 0 when D_l = 0). A prefetch for layer l is issued once layer l-1's routing is
   known, behind that layer's demand loads (prefetches yield to demand), so it has the link time
   layer l-1 leaves idle, W_{l-1} = dev_{l-1} - D_{l-1}, and only its excess stalls:
-  spill_l = max(0, P_l - W_{l-1}).
+  spill_l = max(0, P_l - W_{l-1}). Issued only once layer l-1's experts are combined (the runtime before
+  issue 28: its prefetch hook fired after the experts), the prefetch has only layer l's non-expert work
+  to hide behind: spill_l = max(0, P_l - dense_l) (``stall_after_combine``, for comparison).
 - Hybrid execution (``HybridCost``): experts computed on the host CPU from their host-tier slot
   move no bytes. With a host whose cores are not the device's (a GPU node), they run beside the
   device: layer_l = spill_l + max(dev_l, H_l); on a CPU-only machine the "device" is the same
@@ -182,7 +184,11 @@ def project_step_times(*, profile: HardwareProfile, params: int, nbytes: int, nu
     free = np.concatenate([[0.0], (layer - D)[:-1]])
     spill = np.maximum(0.0, P - free)
     overlap = (spill + layer + dense).reshape(-1, num_layers).sum(1)
-    return {"serial": serial, "overlap": overlap, "h2d_seconds_per_expert": t_h2d,
+    # per step: the prefetch's stall issued at routing (the runtime) and issued after the combine (before)
+    stall = spill.reshape(-1, num_layers).sum(1)
+    stall_after = np.maximum(0.0, P - dense).reshape(-1, num_layers).sum(1)
+    return {"serial": serial, "overlap": overlap, "stall": stall, "stall_after_combine": stall_after,
+            "h2d_seconds_per_expert": t_h2d,
             "disk_seconds_per_expert": t_disk, "compute_seconds_one_token": c_min}
 
 

@@ -279,6 +279,10 @@ def _report(trace: Trace, cfg: ReplayConfig, batch: int, groups: Groups, place, 
             "tokens_per_s_serial": float(T / times["serial"].sum()),
             "tokens_per_s_overlap": float(T / times["overlap"].sum()),
             "tokens_per_s_all_resident": float(T / proj["ideal"].sum()),
+            # prefetch stall (link time no compute hides) per token, the prefetch issued when the layer before
+            # routes (the runtime) and, for comparison, only after its experts are combined
+            "prefetch_stall_ms_per_token": float(times["stall"].sum() / T * 1e3),
+            "prefetch_stall_ms_per_token_after_combine": float(times["stall_after_combine"].sum() / T * 1e3),
             "h2d_ms_per_expert": times["h2d_seconds_per_expert"] * 1e3,
             "h2d_GBps": prof.h2d_GBps(nbytes),
         },

@@ -55,6 +55,8 @@ def format_table(results: list) -> str:
         ("pf recall", lambda r: _fmt(r["prefetch_stats"]["recall"], ".2f")),
         ("tok/s serial", lambda r: f"{r['projected']['tokens_per_s_serial']:.1f}"),
         ("tok/s overlap", lambda r: f"{r['projected']['tokens_per_s_overlap']:.1f}"),
+        ("pf stall ms/tok", lambda r: f"{r['projected']['prefetch_stall_ms_per_token']:.2f}"
+                                      f" ({r['projected']['prefetch_stall_ms_per_token_after_combine']:.2f})"),
         ("tok/s resident", lambda r: f"{r['projected']['tokens_per_s_all_resident']:.0f}"),
         ("wall s", lambda r: f"{r['wall_seconds']:.2f}"),
     ]
@@ -73,7 +75,9 @@ def _footer(results: list) -> str:
             f"{r['projected']['h2d_ms_per_expert']:.3f} ms per copy); tokens/s are projections of expert "
             f"compute and transfers only (see cache_policy/cost_model.py)\n"
             f"dev hit = device hits / needed experts; host hit = host hits / device misses; on host = share of needed "
-            f"experts computed on the host CPU without a transfer (--cpu-experts)")
+            f"experts computed on the host CPU without a transfer (--cpu-experts); pf stall = link time of "
+            f"prefetches no compute hides, issued when the layer before routes (in brackets: issued only after its "
+            f"experts are combined)")
 
 
 def _progress_factory(enabled: bool, desc: str):

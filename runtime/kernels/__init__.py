@@ -236,7 +236,7 @@ def _load():
                                 ctypes.c_float, ctypes.c_void_p]
     lib.tm_rms_norm.restype = ctypes.c_int
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tm_gqa_decode.argtypes = [P, I64, P, I64, P, P, I64, P, P, P, P, I64, P, I64, I64, I64, I64, ctypes.c_float,
+    lib.tm_gqa_decode.argtypes = [P, I64, P, I64, P, P, I64, P, P, I64, P, P, I64, P, I64, I64, I64, I64, ctypes.c_float,
                                   P, P, ctypes.c_int32]
     lib.tm_gqa_decode.restype = ctypes.c_int
     # Every caller raises on a refusal, named (tm_attn_block's caller, layers/fused.py, checks its code

@@ -1340,7 +1340,7 @@ static void gqa_job(void *arg, int ith, int nth, tm_bar *bar) {
  * O(B n) against the O(B n nh hd) of the attention itself. */
 static int gqa_check(const int64_t *write, const int64_t *read, int64_t n, const int64_t *pos, int64_t B,
                      int64_t slots) {
-    const int64_t lim = slots >= 0 ? slots : INT64_MAX;
+    const int64_t lim = slots;
     for (int64_t b = 0; b < B; b++) {
         if (pos[b] < 0 || pos[b] >= n) return TM_E_POS;
         if (write[b] < 0 || write[b] >= lim) return TM_E_SLOT;
@@ -1350,8 +1350,8 @@ static int gqa_check(const int64_t *write, const int64_t *read, int64_t n, const
     return 0;
 }
 
-/* tm_gqa_decode; slots: the cache's slot count (-1: unknown), or -2: the caller (tm_attn_block) checked
- * the positions and slots already */
+/* tm_gqa_decode; slots: the cache's slot count, or -2: the caller (tm_attn_block) checked the positions
+ * and slots already */
 static int gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
                       int64_t rd, float *K, float *V, const int64_t *write, const int64_t *read, int64_t n,
                       const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale, float *out,
@@ -1386,14 +1386,15 @@ static int gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, co
     return 0;
 }
 
-/* The exported call (runtime/model/layers/attention.py): its arguments carry no slot count, so the slots
- * are checked non-negative here and against the cache's size only on the fused path (tm_attn_block). */
+/* The exported call (runtime/model/layers/attention.py): K and V hold ``slots`` rows of [nkv, hd]; every
+ * write and read slot is checked against it before anything is written. */
 int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
-                  int64_t rd, float *K, float *V, const int64_t *write, const int64_t *read, int64_t n,
+                  int64_t rd, float *K, float *V, int64_t slots, const int64_t *write, const int64_t *read, int64_t n,
                   const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale, float *out,
                   float *scratch, int32_t nthreads) {
+    if (slots < 0) return TM_E_ARG;
     return gqa_decode(qk, qk_ld, v, v_ld, cos, ssin, rd, K, V, write, read, n, pos, B, nh, nkv, hd, scale, out, scratch,
-                      nthreads, -1);
+                      nthreads, slots);
 }
 
 

@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from cache_policy.jsonfile import read_json
 
 from .arch import ARCHITECTURES, language_model, module
+from .config_views import HyperFields, LinearFields, MLAFields, V4Fields
 from .layers.router import ROUTERS
 
 SUPPORTED = tuple(ARCHITECTURES)
-LINEAR_KINDS = ("kda", "gated_deltanet")
-V4_KINDS = ("sliding", "csa", "hca")       # DeepSeek-V4 layer kinds (config.json layer_types: see arch/deepseek_v4.py)   # Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5)
 
 
 @dataclass
@@ -134,48 +133,39 @@ class MoEConfig:
             raise ValueError(f"{src}: no MoE layer (check decoder_sparse_step / mlp_only_layers)")
         if any(not 0 <= l < self.num_layers for l in self.moe_layers):
             raise ValueError(f"{src}: MoE layer index out of range 0..{self.num_layers - 1}")
-        if self.linear_kind not in LINEAR_KINDS:
-            raise ValueError(f"{src}: unknown linear-attention kind {self.linear_kind!r}; choose one of {', '.join(LINEAR_KINDS)}")
-        if self.linear_layers and self.linear_kind == "gated_deltanet" and (
-                self.linear_num_v_heads < 1 or self.linear_value_head_dim < 1 or self.linear_num_v_heads % max(1, self.linear_num_heads)):
-            raise ValueError(f"{src}: Gated DeltaNet needs linear_num_value_heads ({self.linear_num_v_heads}) a positive "
-                             f"multiple of linear_num_key_heads ({self.linear_num_heads}) and a positive value head dim")
         if not 0 <= self.attn_res_block_layers <= self.num_layers:
             raise ValueError(f"{src}: attn_res_block_layers {self.attn_res_block_layers} must be in 0..{self.num_layers}")
         if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"{src}: rotary dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
-        if self.linear_layers and (self.linear_num_heads < 1 or self.linear_head_dim < 1 or self.linear_conv_kernel < 2):
-            raise ValueError(f"{src}: linear-attention layers need positive linear_num_heads / linear_head_dim and a "
-                             f"convolution kernel of at least 2, got {self.linear_num_heads} / {self.linear_head_dim} / "
-                             f"{self.linear_conv_kernel}")
+        if self.attention not in ("gqa", "mla", "v4"):
+            raise ValueError(f"{src}: unknown attention {self.attention!r}; choose one of gqa, mla, v4")
+        # each family present checks its own fields (config_views.py)
+        for view, has in ((MLAFields, self.attention == "mla"), (LinearFields, bool(self.linear_layers)),
+                          (V4Fields, self.attention == "v4"), (HyperFields, self.hc_mult > 0 or self.attention == "v4")):
+            if has:
+                view.of(self)
 
-        if self.attention == "v4":
-            self._check_v4()
+    # -- per-family views (config_views.py): the fields one layer family reads, validated together -----
+    def _view(self, cls, has: bool):
+        if not has:
+            raise ValueError(f"{self.source}: {self.model_type} has no {cls.FAMILY}")
+        return cls.of(self)
 
-    def _check_v4(self) -> None:
-        src = self.source
-        if len(self.v4_kinds) != self.num_layers or any(k not in V4_KINDS for k in self.v4_kinds):
-            raise ValueError(f"{src}: DeepSeek-V4 needs one of {', '.join(V4_KINDS)} per layer, got {self.v4_kinds!r}")
-        for kind in set(self.v4_kinds) - {"sliding"}:
-            r = self.compress_rates.get(kind)
-            if not isinstance(r, int) or r < 1:
-                raise ValueError(f"{src}: compress rate of {kind} layers must be a positive integer, got {r!r}")
-        if self.o_groups < 1 or self.num_heads % self.o_groups or self.o_lora_rank < 1:
-            raise ValueError(f"{src}: o_groups {self.o_groups} must divide num_attention_heads {self.num_heads} and "
-                             f"o_lora_rank {self.o_lora_rank} be positive")
-        if not 0 < self.qk_rope_head_dim <= self.head_dim or self.qk_rope_head_dim % 2:
-            raise ValueError(f"{src}: the rotary part {self.qk_rope_head_dim} must be even and within head_dim {self.head_dim}")
-        if self.q_lora_rank < 1 or self.sliding_window < 1:
-            raise ValueError(f"{src}: DeepSeek-V4 needs q_lora_rank and sliding_window, got {self.q_lora_rank} / "
-                             f"{self.sliding_window}")
-        if "csa" in self.v4_kinds and (self.index_n_heads < 1 or self.index_head_dim < 1 or self.index_topk < 1
-                                       or self.index_head_dim < self.qk_rope_head_dim):
-            raise ValueError(f"{src}: CSA layers need index_n_heads, index_head_dim (>= the rotary part) and index_topk")
-        if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
-            raise ValueError(f"{src}: hc_mult and hc_sinkhorn_iters must be positive, got {self.hc_mult} / "
-                             f"{self.hc_sinkhorn_iters}")
-        if any(l not in self.moe_layers for l in self.hash_layers):
-            raise ValueError(f"{src}: hash-routed layers {self.hash_layers} must be MoE layers")
+    @property
+    def mla(self) -> MLAFields:
+        return self._view(MLAFields, self.attention == "mla")
+
+    @property
+    def linear(self) -> LinearFields:
+        return self._view(LinearFields, bool(self.linear_layers))
+
+    @property
+    def v4(self) -> V4Fields:
+        return self._view(V4Fields, self.attention == "v4")
+
+    @property
+    def hyper(self) -> HyperFields:
+        return self._view(HyperFields, self.hc_mult > 0)
 
     @property
     def v4_layers(self) -> list:

@@ -29,13 +29,14 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class HyperConnection:
     def __init__(self, cfg: MoEConfig, w: dict, p: str) -> None:
-        self.N, self.iters, self.eps, self.norm_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        hc = cfg.hyper
+        self.N, self.iters, self.eps, self.norm_eps = hc.mult, hc.sinkhorn_iters, hc.eps, cfg.rms_norm_eps
         self.fn, self.base, self.scale = take(w, p + "fn").float(), take(w, p + "base").float(), take(w, p + "scale").float()
 
     @staticmethod
     def tensors(cfg: MoEConfig, p: str) -> dict:
-        n = (2 + cfg.hc_mult) * cfg.hc_mult
-        return {p + "fn": (n, cfg.hc_mult * cfg.hidden_size), p + "base": (n,), p + "scale": (3,)}
+        N = cfg.hyper.mult
+        return {p + "fn": ((2 + N) * N, N * cfg.hidden_size), p + "base": ((2 + N) * N,), p + "scale": (3,)}
 
     def weights(self, h: torch.Tensor):
         """h: [tokens, N, hidden] -> (pre [tokens, N], post [tokens, N], comb [tokens, N, N])."""
@@ -63,13 +64,13 @@ class HyperConnection:
 
 class HyperHead:
     def __init__(self, cfg: MoEConfig, w: dict) -> None:
-        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.eps, self.norm_eps = cfg.hyper.eps, cfg.rms_norm_eps
         self.fn, self.base = take(w, "model.hc_head.hc_fn").float(), take(w, "model.hc_head.hc_base").float()
         self.scale = take(w, "model.hc_head.hc_scale").float()
 
     @staticmethod
     def tensors(cfg: MoEConfig) -> dict:
-        N = cfg.hc_mult
+        N = cfg.hyper.mult
         return {"model.hc_head.hc_fn": (N, N * cfg.hidden_size), "model.hc_head.hc_base": (N,),
                 "model.hc_head.hc_scale": (1,)}
 

@@ -15,13 +15,10 @@ import torch
 
 from .. import kernels
 from .config import MoEConfig
-from .layers.attention import Attention
 from .layers.cache import KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, kv_block_size
-from .layers.kinds import attention_kind, cache_specs, kv_bytes_per_token, kv_shape, state_bytes_per_sequence
+from .layers.kinds import attention_kind, cache_specs, kv_bytes_per_token, state_bytes_per_sequence
 from .layers.context import NO_HOOKS, ForwardContext, StepHooks, build_context
 from .hyper import HyperConnection
-from .layers.linear import LinearAttentionLayer
-from .layers.v4_attention import CompressedCacheSpec, V4Attention
 from .layers.mlp import DenseMLP
 from .layers.experts import ExpertExecutor
 from .layers.moe_block import MoEBlock
@@ -35,25 +32,13 @@ from .layers.weights import DenseTensors, layer_prefix, linear_opts, take, take_
 from .residual import DecoderLayer, layer_residual_tensors, residual_kind, residual_tensors
 
 __all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "StepHooks", "KVFull", "PagedKV", "Sequence", "StateCacheSpec",
-           "TokenCacheSpec", "WindowCacheSpec", "cache_specs", "kv_bytes_per_token", "kv_shape",
+           "TokenCacheSpec", "WindowCacheSpec", "cache_specs", "kv_bytes_per_token",
            "state_bytes_per_sequence", "rms_norm", "route", "rope_frequencies", "mla_softmax_scale"]
 
 
 def fused_decode_on() -> bool:
     import os
     return os.environ.get("TIERED_MOE_FUSED_DECODE", "1") != "0"
-
-
-def build_attention(cfg: MoEConfig, i: int, w: dict, index: dict):
-    """The attention layer ``i``; ``index`` maps the layer to its place in its cache arena."""
-    kind = attention_kind(cfg, i)
-    if kind is LinearAttentionLayer:
-        return kind(cfg, i, w, state_index=index["state"][i])
-    if kind is V4Attention:
-        return kind(cfg, i, w, v4_index=index["v4"][i])
-    if kind is Attention and i in index["window"]:
-        return kind(cfg, i, w, ring_index=index["window"][i])
-    return kind(cfg, i, w, kv_index=index["paged"][i])
 
 
 def dense_tensors(cfg: MoEConfig) -> dict:
@@ -128,7 +113,7 @@ class MoEModel:
         """Model layer ``i``: its attention and FFN kinds from the config, split sublayers wrapped for the
         all-reduce, the residual scheme's per-layer tensors."""
         cfg, tp, pre = self.cfg, self.tp, layer_prefix(i)
-        attn = build_attention(cfg, i, w, self._cache_index)
+        attn = attention_kind(cfg, i)(cfg, i, w)
         split = tp.plan if tp is not None and tp.plan.shard.world > 1 else None
         if i in self.moe_index:
             ffn = MoEBlock(cfg, i, self.moe_index[i], w, self.experts, self.executor)
@@ -147,22 +132,12 @@ class MoEModel:
         return DecoderLayer(i, attn, ffn, RMSNorm(take(w, pre + "input_layernorm.weight"), eps),
                             RMSNorm(take(w, pre + "post_attention_layernorm.weight"), eps), *q, *hc)
 
-    @property
-    def _cache_index(self) -> dict:
-        """Each layer's place in its cache arena: per-token layers index the paged KV cache, linear-attention
-        layers the state arena, sliding-window layers the rings, V4 layers theirs."""
-        cfg, mine = self.cfg, set(self.layer_ids)
-        return {k: {layer: j for j, layer in enumerate(x for x in ls if x in mine)}
-                for k, ls in (("paged", cfg.paged_layers), ("window", cfg.window_layers), ("state", cfg.linear_layers),
-                              ("v4", cfg.v4_layers))}
-
     def _pick_layer_backends(self, tp, device) -> None:
         """Each layer's backend on the plain residual stream, once: the fused CPU decode (two kernel calls per
         GQA + MoE layer, layers/fused.py) where the layer and the kernels allow, else its composed ops.
         ``fused_why[j]`` says why layer j runs composed (None: it is fused). Not with another residual scheme
         (the fused call adds into x itself) nor under tensor parallelism (no place for the all-reduces);
         TIERED_MOE_FUSED_DECODE=0 turns it off (the composed path for comparison)."""
-        self._paged = len(self._cache_index["paged"])
         off = ("TIERED_MOE_FUSED_DECODE=0" if not fused_decode_on() else
                "not a plain residual stream" if not self.residual.fusable else
                "tensor-parallel ranks" if tp is not None and tp.plan.shard.world > 1 else None)
@@ -197,9 +172,6 @@ class MoEModel:
         return {b.moe_idx: b.known_experts(ids) for b in self.moe_blocks if b.routes_by_token}
 
     # -- the KV cache ----------------------------------------------------------------------------
-    def kv_shape(self) -> tuple:
-        return kv_shape(self.cfg, self.layer_ids)
-
     def cache_specs(self) -> dict:
         return cache_specs(self.cfg, self.layer_ids)
 
@@ -243,15 +215,8 @@ class MoEModel:
                              + (f"{snaps} prefix-cache state snapshots ({snaps * per_seq:,} bytes) + " if snaps else "")
                              + f"one block of {block_size} tokens ({per_tok * block_size:,} bytes): the minimum is "
                              f"{need:,} bytes")
-        h, d, v = self.kv_shape()
-        specs = [s for s in self.cache_specs().values() if isinstance(s, StateCacheSpec)]
-        wins = [s for s in self.cache_specs().values() if isinstance(s, WindowCacheSpec)]
-        self.kv = PagedKV(self._paged, h, d, self.dtype, self.device, num_blocks=blocks,
-                          block_size=block_size, with_v=v, state=specs[0] if specs else None,
-                          state_layers=len(specs), state_slots=seqs, window=wins[0] if wins else None,
-                          window_layers=len(wins),
-                          v4=[s for s in self.cache_specs().values() if isinstance(s, CompressedCacheSpec)],
-                          snapshots=snaps)
+        self.kv = PagedKV(self.cache_specs(), self.dtype, self.device, num_blocks=blocks, block_size=block_size,
+                          state_slots=seqs, snapshots=snaps)
         return self.kv
 
     @torch.inference_mode()

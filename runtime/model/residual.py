@@ -106,7 +106,7 @@ class HyperResidual(PlainResidual):
 
     def __init__(self, cfg: MoEConfig, w: dict, last: bool) -> None:
         super().__init__(cfg, w, last)
-        self.N = cfg.hc_mult
+        self.N = cfg.hyper.mult
         self.head = HyperHead(cfg, w) if last else None
 
     def wire_shape(self, T: int) -> tuple:

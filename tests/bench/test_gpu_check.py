@@ -21,6 +21,7 @@ def test_gpu_check_dry_run_covers_every_step(tmp_path):
     assert R["gpu"] == "dry run (cpu)"
     assert R["pinned_peak_GBps"] > 0 and R["store_stream_GBps"] > 0
     assert R["decode"]["compute_ms"] > 0 and R["decode"]["step_ms_with_prefetch"] > 0
+    assert R["decode"]["stall_ms_lookahead"] >= 0 and R["decode"]["stall_ms_no_prefetch"] >= 0
     for name in ("mxfp4", "int4", "fp8"):
         q = R["quantized"][name]
         assert q["dequant_us"] > 0 and q["dequant_plus_matmul_us"] >= q["dequant_us"] * 0.5 and q["bytes"] > 0

@@ -62,6 +62,21 @@ def test_step_time_formula_by_hand(tmp_path):
     assert r["bytes_per_token"]["host_to_device"] == pytest.approx(3 * 1e6 / 2)
 
 
+def test_prefetch_stall_by_hand(tmp_path):
+    """Two layers, one step: layer 0 computes 5 ms with 2 ms of demand copies, so the link idles 3 ms; layer 1's
+    4 ms prefetch, issued when layer 0 routes, stalls 1 ms; issued after layer 0's combine, all 4 ms."""
+    prof_path = tmp_path / "flat.json"
+    prof_path.write_text(json.dumps({
+        "name": "flat", "host_to_device_GBps_by_copy_MiB": {"1": 1.0}, "disk_to_host_GBps": 0.5,
+        "expert_compute_us_by_tokens": {"1": 100.0}, "reference_expert": {"params": 1000}}))
+    prof = cm.load_profile(str(prof_path))
+    a = lambda *x: np.array(x, dtype=np.float64)
+    t = cm.project_step_times(profile=prof, params=1000, nbytes=1_000_000, num_layers=2, compute_s=a(5e-3, 1e-3),
+                              demand_h2d=a(2, 0), demand_disk=a(0, 0), pref_h2d=a(0, 4), pref_disk=a(0, 0))
+    assert t["stall"] == pytest.approx([1e-3]) and t["stall_after_combine"] == pytest.approx([4e-3])
+    assert t["overlap"] == pytest.approx([1e-3 + 5e-3 + 1e-3])
+
+
 @pytest.mark.slow
 def test_shipped_cpu_profile_loads_and_is_used_by_replay(flame_trace):
     prof = cm.load_profile("cpu")

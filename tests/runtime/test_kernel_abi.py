@@ -257,7 +257,8 @@ def gqa_call(c, **change):
     qkv = c["qkv"]
     return kernels.lib().tm_gqa_decode(
         qkv.data_ptr(), c["ld"], qkv.data_ptr() + (c["nh"] + c["nkv"]) * c["hd"] * 4, c["ld"], c["cos"].data_ptr(),
-        c["ssin"].data_ptr(), c["rd"], c["K"].data_ptr(), c["V"].data_ptr(), c["write"].data_ptr(),
+        c["ssin"].data_ptr(), c["rd"], c["K"].data_ptr(), c["V"].data_ptr(), c.get("slots", c["K"].shape[0]),
+        c["write"].data_ptr(),
         c["read"].data_ptr(), c["n"], c["pos"].data_ptr(), c["B"], c["nh"], c["nkv"], c["hd"], (c["hd"] or 1) ** -0.5,
         c["out"].data_ptr(), c["scratch"].data_ptr(), 2)
 
@@ -292,7 +293,11 @@ def test_gqa_decode_against_torch():
     ({"pos": torch.tensor([2, 6])}, kernels.E_POS),            # position 6 of a read row of 6
     ({"pos": torch.tensor([-1, 5])}, kernels.E_POS),
     ({"write": torch.tensor([-1, 9])}, kernels.E_SLOT),
+    ({"write": torch.tensor([3, 16])}, kernels.E_SLOT),        # one past the 16 slots the cache holds
     ({"read": torch.tensor([[1, -2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9]])}, kernels.E_SLOT),
+    ({"read": torch.tensor([[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 1 << 40]])}, kernels.E_SLOT),   # far past the cache
+    ({"slots": 9}, kernels.E_SLOT),                            # a cache of 9 slots: slot 9 is past it
+    ({"slots": -1}, kernels.E_ARG),
     ({"nh": 3}, kernels.E_ARG),                                # heads not a multiple of the kv heads
     ({"rd": 15}, kernels.E_ARG),                               # odd rotary width
     ({"rd": 34}, kernels.E_ARG),                               # rotary past the head

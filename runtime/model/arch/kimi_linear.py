@@ -68,7 +68,8 @@ def config(d: dict, common: dict, need) -> dict:
 def linear_names(cfg: MoEConfig, layer: int) -> dict:
     """A Kimi Delta Attention layer's tensors (released Kimi-Linear names, which transformers also saves)
     -> shape."""
-    H, K, D, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size, cfg.linear_conv_kernel
+    lin = cfg.linear
+    H, K, D, W = lin.num_heads, lin.head_dim, cfg.hidden_size, lin.conv_kernel
     HK, p = H * K, f"model.layers.{layer}.self_attn."
     out = {p + f"{n}_proj.weight": (HK, D) for n in "qkv"}
     out.update({p + f"{n}_conv1d.weight": (HK, 1, W) for n in "qkv"})

@@ -66,8 +66,9 @@ def config(d: dict, common: dict, need) -> dict:
 
 def linear_names(cfg: MoEConfig, layer: int) -> dict:
     """A Gated DeltaNet layer's tensors -> shape (the layout of cfg.model_type)."""
-    Hk, Dk, Hv, Dv = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_num_v_heads, cfg.linear_value_head_dim
-    D, W, p = cfg.hidden_size, cfg.linear_conv_kernel, f"model.layers.{layer}.linear_attn."
+    lin = cfg.linear
+    Hk, Dk, Hv, Dv = lin.num_heads, lin.head_dim, lin.num_v_heads, lin.value_head_dim
+    D, W, p = cfg.hidden_size, lin.conv_kernel, f"model.layers.{layer}.linear_attn."
     conv = 2 * Hk * Dk + Hv * Dv                      # q | k | v through one short convolution
     if cfg.model_type == "qwen3_5_moe_text":
         out = {p + "in_proj_qkv.weight": (conv, D), p + "in_proj_z.weight": (Hv * Dv, D),

@@ -19,16 +19,15 @@ from .weights import compute_dtype, layer_prefix, linear_opts, take, take_opt, t
 
 
 class Attention(Sublayer):
-    """GQA attention of layer ``i``. ``kv_index``: its index among the paged layers, or
-    ``ring_index``: among the sliding-window layers (a ring of the last W keys per sequence)."""
+    """GQA attention of layer ``i``: paged, or, a sliding-window layer, a ring of the last W keys per
+    sequence (its cache: ``kv[i]``, as ``cache_spec`` declares it)."""
     reads_rope_heads = True
 
-    def __init__(self, cfg: MoEConfig, i: int, w: dict, *, kv_index: "int | None" = None,
-                 ring_index: "int | None" = None) -> None:
+    def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
         p = layer_prefix(i) + "self_attn."
         self.i, self.eps = i, cfg.rms_norm_eps
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.kv_index, self.ring_index, self.window = kv_index, ring_index, cfg.sliding_window
+        self.windowed, self.window = i in cfg.window_layers, cfg.sliding_window
         self.rotary_dim = cfg.rotary_dim
         nh, hd = self.nh, self.hd
         suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
@@ -58,7 +57,7 @@ class Attention(Sublayer):
         self.sinks = take(w, p + "sinks") if cfg.attn_sinks else None
         # The per-architecture parts, once (no flag is tested in the forward): paged or ring, q/k norm,
         # partial RoPE, sinks, the output gate.
-        self._attend = self._paged if ring_index is None else self._ring
+        self._attend = self._ring if self.windowed else self._paged
         self._qk = {"full": self._qk_full, "head": self._qk_head}.get(self.qk_norm, self._qk_plain)
         self._rotate = self._rotate_partial if self.rotary_dim else self._rotate_full
         self._sdpa = self._sdpa_plain if self.sinks is None else self._sdpa_sinks
@@ -72,7 +71,7 @@ class Attention(Sublayer):
     def fused_refusal(self) -> "str | None":
         """The fused CPU decode (layers/fused.py) takes paged attention with plain RoPE, without sinks or
         an output gate."""
-        if self.ring_index is not None or self.sinks is not None or self.gated:
+        if self.windowed or self.sinks is not None or self.gated:
             return "sliding-window, sink or gated attention"
         return None
 
@@ -200,7 +199,8 @@ class Attention(Sublayer):
         """A layer of the paged KV cache. qk: [tokens, heads + kv, hd] before RoPE; v: [tokens, kv, hd].
         Returns the attention output [tokens, heads * hd]."""
         nh, hd = self.nh, self.hd
-        K, V = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]          # [token slots, kv, hd]
+        cache = ctx.kv[self.i]
+        K, V = cache.k, cache.v                                          # [token slots, kv, hd]
         if ctx.decode:
             return self._decode(qk, v, ctx, K, V)
         dev = qk.device
@@ -244,8 +244,8 @@ class Attention(Sublayer):
         out = torch.empty(B, self.nh * self.hd)
         scratch = torch.empty(B * self.nh * n)
         lib.tm_gqa_decode(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(), ssin.data_ptr(), rd,
-                          K.data_ptr(), V.data_ptr(), ctx.write.data_ptr(), ctx.read.data_ptr(), n, ctx.pos.data_ptr(),
-                          B, self.nh, self.nkv, self.hd, self.hd ** -0.5, out.data_ptr(), scratch.data_ptr(),
+                          K.data_ptr(), V.data_ptr(), K.shape[0], ctx.write.data_ptr(), ctx.read.data_ptr(), n,
+                          ctx.pos.data_ptr(), B, self.nh, self.nkv, self.hd, self.hd ** -0.5, out.data_ptr(), scratch.data_ptr(),
                           kernels.threads())
         return out
 
@@ -254,7 +254,8 @@ class Attention(Sublayer):
         (position p at p % W), so the layer's cache never grows. qk: [tokens, heads + kv, hd] before
         RoPE; v: [tokens, kv, hd]. Returns the attention output [tokens, heads * hd]."""
         nh, hd, W = self.nh, self.hd, self.window
-        RK, RV = ctx.kv.win_k[self.ring_index], ctx.kv.win_v[self.ring_index]   # [slots, W, kv, hd]
+        cache = ctx.kv[self.i]
+        RK, RV = cache.k, cache.v                                        # [slots, W, kv, hd]
         if ctx.decode:
             B = len(ctx.seqs)
             slots = ctx.state

@@ -36,6 +36,20 @@ class KVFull(RuntimeError):
 
 
 @dataclass(frozen=True)
+class CacheTensor:
+    """One tensor a cache spec declares, per layer: ``shape`` per row, ``dtype`` (None: the activation
+    dtype). ``per = "slot"``: one row per state slot (a sequence's fixed cache, or a prefix-cache snapshot);
+    ``per = "block"``: rows in the KV blocks, one per ``rate`` positions (block_size / rate per block)."""
+    shape: tuple
+    per: str
+    dtype: "torch.dtype | None" = None
+    rate: int = 1
+
+    def nbytes(self, rows: int, dtype) -> int:
+        return rows * math.prod(self.shape) * torch.tensor([], dtype=self.dtype or dtype).element_size()
+
+
+@dataclass(frozen=True)
 class TokenCacheSpec:
     """What a per-token attention layer caches (vLLM's attention KV cache spec): ``heads`` x ``dim``
     per token for k (and v), full attention and MLA alike (MLA: one "head" of latent + rotary key,
@@ -46,6 +60,11 @@ class TokenCacheSpec:
 
     def bytes_per_token(self, dtype) -> int:
         return self.heads * self.dim * torch.tensor([], dtype=dtype).element_size() * (2 if self.with_v else 1)
+
+    def cache_tensors(self) -> dict:
+        """k (and v): [token slots, heads, dim], a row per position in the sequence's blocks."""
+        t = CacheTensor((self.heads, self.dim), "block")
+        return {"k": t, "v": t} if self.with_v else {"k": t}
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,11 @@ class WindowCacheSpec:
     def bytes_per_sequence(self, dtype) -> int:
         return self.window * TokenCacheSpec(self.heads, self.dim, self.with_v).bytes_per_token(dtype)
 
+    def cache_tensors(self) -> dict:
+        """k (and v): [slots, window, heads, dim], position p at p % window."""
+        t = CacheTensor((self.window, self.heads, self.dim), "slot")
+        return {"k": t, "v": t} if self.with_v else {"k": t}
+
 
 @dataclass(frozen=True)
 class StateCacheSpec:
@@ -72,6 +96,11 @@ class StateCacheSpec:
         return (math.prod(self.recurrent) * RECURRENT_DTYPE.itemsize
                 + math.prod(self.conv) * torch.tensor([], dtype=dtype).element_size())
 
+    def cache_tensors(self) -> dict:
+        """recurrent: [slots, H, K, V] float32; conv: [slots, C, kernel - 1]."""
+        return {"recurrent": CacheTensor(self.recurrent, "slot", RECURRENT_DTYPE),
+                "conv": CacheTensor(self.conv, "slot")}
+
 
 def kv_block_size(cfg: MoEConfig, default: int = 16) -> int:
     """Tokens per KV block: ``default``, or a multiple of every DeepSeek-V4 compress rate (its compressed
@@ -82,45 +111,22 @@ def kv_block_size(cfg: MoEConfig, default: int = 16) -> int:
     return b
 
 
-class V4Arena:
-    """One DeepSeek-V4 layer's cache (layers/v4_attention.py ``CompressedCacheSpec``): per state slot the
-    window ring and the compressor's open window (``state``: name -> [slots, ...]), and the compressed
-    entries (``comp`` [blocks x block_size / rate, dim]; CSA's indexer keys ``icomp``), entry e of a
-    sequence in the block that holds its window's first position."""
+class LayerCache:
+    """One layer's cache tensors, by the names its spec declares (``cache_tensors``): views into its spec
+    group's tensors. ``slot`` tensors are [slots, ...]; ``block`` tensors [blocks * block_size / rate, ...]."""
 
-    def __init__(self, spec, num_blocks: int, block_size: int, slots: int, dtype, device) -> None:
-        self.spec, self.block_size = spec, block_size
-        self.state = {k: torch.zeros(slots, *shape, dtype=dtype, device=device) for k, shape in spec.state_shapes().items()}
-        self.epb = spec.entries_per_block(block_size)
-        n = num_blocks * self.epb
-        self.comp = torch.zeros(n, spec.dim, dtype=dtype, device=device) if spec.rate else None
-        self.icomp = torch.zeros(n, spec.index_dim, dtype=dtype, device=device) if spec.index_dim else None
+    def __init__(self, spec, block_size: int, tensors: dict) -> None:
+        self.spec, self.block_size, self.tensors = spec, block_size, tensors
 
-    @property
-    def nbytes(self) -> int:
-        ts = list(self.state.values()) + [t for t in (self.comp, self.icomp) if t is not None]
-        return sum(t.numel() * t.element_size() for t in ts)
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(f"{type(self.__dict__.get('spec')).__name__} declares no cache tensor {name!r}") from None
 
-    def _slot(self, seq: Sequence, e: int) -> int:
-        p = e * self.spec.rate
-        return seq.blocks[p // self.block_size] * self.epb + (p % self.block_size) // self.spec.rate
-
-    def rows(self, seq: Sequence, name: str):
-        """(read(count) -> the sequence's first ``count`` rows [count, dim], write(e, row)) of arena
-        ``name`` (comp or icomp); (None, None) where the layer has none."""
-        arena = getattr(self, name)
-        if arena is None:
-            return None, None
-
-        def read(count: int):
-            p = torch.arange(count, device=arena.device) * self.spec.rate           # each entry's first position
-            blocks = torch.as_tensor(seq.blocks[: -(-count * self.spec.rate // self.block_size)] or [0],
-                                     device=arena.device)
-            return arena[blocks[p // self.block_size] * self.epb + (p % self.block_size) // self.spec.rate]
-
-        def write(e: int, row) -> None:
-            arena[self._slot(seq, e)] = row
-        return read, write
+    def slot_tensors(self) -> dict:
+        """name -> [slots, ...]: the per-sequence part (what a state copy copies)."""
+        return {k: self.tensors[k] for k, t in self.spec.cache_tensors().items() if t.per == "slot"}
 
 
 class PagedKV:
@@ -129,51 +135,59 @@ class PagedKV:
     this cache's geometry (``num_blocks``, ``block_size``, ``state_slots``, ``snapshots``); the model only
     reads the slot tables of the sequences it runs.
 
-    Per-token layers (full attention, MLA): fixed-size blocks (vLLM's paged layout): k and v are
-    [token layers, blocks * block_size, heads, dim] token slots; a sequence owns a list of blocks
-    and its positions map to slots through them. Linear-attention and sliding-window layers:
-    ``state_slots`` fixed per-sequence caches (recurrent states [state layers, slots, ...]; rings of
-    the last ``window`` keys and values [window layers, slots, window, heads, dim], position p at
-    p % window); a sequence owns one slot for all of them. MLA caches one "head" (latent + rotary
-    key) and no v. ``snapshots`` more state slots hold the prefix cache's snapshots (KVManager.snapshot)."""
+    Generic over what the layers declare (vLLM's KV cache groups): ``specs`` maps each layer to its cache
+    spec; the layers whose specs are equal form a group and each of the group's declared tensors
+    (``cache_tensors``) is allocated once for all of them, [group layers, rows, ...]. Rows: per-token
+    tensors (paged attention's k / v, MLA's latent, DeepSeek-V4's compressed entries) live in fixed-size
+    blocks (vLLM's paged layout), a sequence's positions mapping to rows through its blocks; per-sequence
+    tensors (recurrent states, sliding-window rings, V4's windows) have ``state_slots`` rows, one per
+    running sequence, then ``snapshots`` more for the prefix cache's snapshots (KVManager.snapshot). A
+    layer reads its own tensors, ``kv[layer]`` (a ``LayerCache``)."""
 
-    def __init__(self, layers: int, heads: int, dim: int, dtype, device, *, num_blocks: int, block_size: int = 16,
-                 with_v: bool = True, state: "StateCacheSpec | None" = None, state_layers: int = 0,
-                 state_slots: int = 0, window: "WindowCacheSpec | None" = None, window_layers: int = 0,
-                 v4: "list | tuple" = (), snapshots: int = 0) -> None:
+    def __init__(self, specs: dict, dtype, device, *, num_blocks: int, block_size: int = 16, state_slots: int = 0,
+                 snapshots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}")
-        if (state_layers or window_layers or v4) and state_slots < 1:
+        decl = {spec: spec.cache_tensors() for spec in set(specs.values())}
+        stateful = any(t.per == "slot" for ts in decl.values() for t in ts.values())
+        if stateful and state_slots < 1:
             raise ValueError("a model with linear-attention or sliding-window layers needs at least one sequence slot")
-        self.with_v, self.device = with_v, device
-        self.num_blocks, self.block_size = num_blocks, block_size
-        T = num_blocks * block_size
-        self.k = torch.zeros(layers, T, heads, dim, dtype=dtype, device=device)   # k: [layers, token slots, heads, dim]
-        self.v = torch.zeros_like(self.k) if with_v else None
-        stateful = bool(state_layers or window_layers or v4)
+        for spec, ts in decl.items():
+            for name, t in ts.items():
+                if t.per not in ("slot", "block") or (t.per == "block" and block_size % t.rate):
+                    raise ValueError(f"{type(spec).__name__} tensor {name!r}: per {t.per!r} rate {t.rate} does not "
+                                     f"fit blocks of {block_size} tokens")
+        self.device, self.num_blocks, self.block_size = device, num_blocks, block_size
         # per-sequence state: the sequences' slots, then the prefix cache's snapshots
         self.state_slots = state_slots if stateful else 0
         self.snapshots = snapshots if stateful else 0
         slots = self.state_slots + self.snapshots
-        self.v4 = [V4Arena(spec, num_blocks, block_size, slots, dtype, device) for spec in v4]
-        self.rec = self.conv = self.win_k = self.win_v = None
-        if state_layers:              # rec: [state layers, slots, H, K, V]; conv: [state layers, slots, C, kernel-1]
-            self.rec = torch.zeros(state_layers, slots, *state.recurrent, dtype=RECURRENT_DTYPE, device=device)
-            self.conv = torch.zeros(state_layers, slots, *state.conv, dtype=dtype, device=device)
-        if window_layers:             # win_k: [window layers, slots, window, heads, dim]
-            self.win_k = torch.zeros(window_layers, slots, window.window, window.heads, window.dim, dtype=dtype,
-                                     device=device)
-            self.win_v = torch.zeros_like(self.win_k) if window.with_v else None
+        self.groups, self.layers = [], {}          # groups: (spec, layers, {name: [layers, rows, ...]})
+        for spec in sorted(decl, key=lambda s: min(i for i, x in specs.items() if x == s)):
+            members = sorted(i for i, x in specs.items() if x == spec)
+            group = {name: torch.zeros(len(members), slots if t.per == "slot" else num_blocks * block_size // t.rate,
+                                       *t.shape, dtype=t.dtype or dtype, device=device)
+                     for name, t in decl[spec].items()}
+            self.groups.append((spec, members, group))
+            for j, i in enumerate(members):
+                self.layers[i] = LayerCache(spec, block_size, {name: g[j] for name, g in group.items()})
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        try:
+            return self.layers[layer]
+        except KeyError:
+            raise KeyError(f"layer {layer} has no cache here (this cache holds layers {sorted(self.layers)})") from None
+
+    def _slot_tensors(self):
+        for spec, _, group in self.groups:
+            for name, t in spec.cache_tensors().items():
+                if t.per == "slot":
+                    yield group[name]                # [layers, slots, ...]
 
     def copy_state(self, src: int, dst: int) -> None:
-        """Copy state slot ``src`` into ``dst``: every per-sequence tensor (recurrent and convolution states,
-        window rings, DeepSeek-V4's windows)."""
-        for t in (self.rec, self.conv, self.win_k, self.win_v):
-            if t is not None:
-                t[:, dst] = t[:, src]               # t: [layers, slots, ...]
-        for a in self.v4:
-            for t in a.state.values():
-                t[dst] = t[src]                     # t: [slots, ...]
+        """Copy state slot ``src`` into ``dst``: every per-sequence tensor every layer declares."""
+        for t in self._slot_tensors():
+            t[:, dst] = t[:, src]
 
     def check(self, seqs: list, chunks: list) -> None:
         """Every sequence holds the blocks (and state slot) its chunk needs: the engine's KVManager.prepare gave
@@ -188,8 +202,4 @@ class PagedKV:
 
     @property
     def nbytes(self) -> int:
-        n = self.k.numel() * self.k.element_size() * (2 if self.with_v else 1)
-        for t in (self.rec, self.conv, self.win_k, self.win_v):
-            if t is not None:
-                n += t.numel() * t.element_size()
-        return n + sum(a.nbytes for a in self.v4)
+        return sum(t.numel() * t.element_size() for _, _, g in self.groups for t in g.values())

@@ -220,8 +220,9 @@ class FusedDecode:
         L, kv = self.args, ctx.kv
         if kv is not self._kv:            # the cache arena this layer reads (fixed once the engine made it)
             self._kv = kv
-            L.K, L.V = kv.k[self.attn.kv_index].data_ptr(), kv.v[self.attn.kv_index].data_ptr()
-            L.slots = kv.k[self.attn.kv_index].numel() // (L.nkv * L.hd)       # [slots, nkv, hd] rows it holds
+            cache = kv[self.attn.i]
+            L.K, L.V = cache.k.data_ptr(), cache.v.data_ptr()
+            L.slots = cache.k.numel() // (L.nkv * L.hd)                  # [slots, nkv, hd] rows it holds
         rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(bufs.args))
         if rc:
             raise RuntimeError(f"tm_attn_block refused layer {self.layer.index} (code {rc})")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from ..config import MoEConfig
 from .attention import Attention
-from .cache import TokenCacheSpec, WindowCacheSpec
 from .linear import LinearAttentionLayer
 from .mla import MLAttention
 from .v4_attention import V4Attention
@@ -19,15 +18,6 @@ def attention_kind(cfg: MoEConfig, i: int):
     if cfg.attention == "v4":
         return V4Attention
     return MLAttention if cfg.attention == "mla" else Attention
-
-
-def kv_shape(cfg: MoEConfig, layers=None) -> tuple:
-    """(heads, dim, with_v) of one token of the layers that cache keys (paged or ring), as their
-    cache specs declare it (MLA: one "head" of latent + rotary key, no v)."""
-    for spec in cache_specs(cfg, layers).values():
-        if isinstance(spec, (TokenCacheSpec, WindowCacheSpec)):
-            return spec.heads, spec.dim, spec.with_v
-    return 1, 1, False          # every layer linear: no key is cached
 
 
 def cache_specs(cfg: MoEConfig, layers=None) -> dict:

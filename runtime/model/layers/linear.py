@@ -16,21 +16,22 @@ from .protocol import HeadSplit, Sublayer, cols, rows
 
 def linear_kind(cfg: MoEConfig):
     """(layer class, its config) of the model's linear-attention kind."""
-    if cfg.linear_kind == "kda":
-        return KimiDeltaAttention, KDAConfig(hidden_size=cfg.hidden_size, num_heads=cfg.linear_num_heads,
-                                             head_dim=cfg.linear_head_dim, conv_kernel_size=cfg.linear_conv_kernel,
+    lin = cfg.linear
+    if lin.kind == "kda":
+        return KimiDeltaAttention, KDAConfig(hidden_size=cfg.hidden_size, num_heads=lin.num_heads,
+                                             head_dim=lin.head_dim, conv_kernel_size=lin.conv_kernel,
                                              rms_norm_eps=cfg.rms_norm_eps)
-    return GatedDeltaNet, GatedDeltaNetConfig(hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_heads,
-                                              num_v_heads=cfg.linear_num_v_heads, head_k_dim=cfg.linear_head_dim,
-                                              head_v_dim=cfg.linear_value_head_dim,
-                                              conv_kernel_size=cfg.linear_conv_kernel, rms_norm_eps=cfg.rms_norm_eps)
+    return GatedDeltaNet, GatedDeltaNetConfig(hidden_size=cfg.hidden_size, num_k_heads=lin.num_heads,
+                                              num_v_heads=lin.num_v_heads, head_k_dim=lin.head_dim,
+                                              head_v_dim=lin.value_head_dim,
+                                              conv_kernel_size=lin.conv_kernel, rms_norm_eps=cfg.rms_norm_eps)
 
 
 class LinearAttentionLayer(Sublayer):
-    def __init__(self, cfg: MoEConfig, i: int, w: dict, *, state_index: int) -> None:
+    def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
         kind, lc = linear_kind(cfg)
-        p = layer_prefix(i) + cfg.linear_prefix
-        self.state_index = state_index
+        p = layer_prefix(i) + cfg.linear.prefix
+        self.i = i
         self.layer = kind(lc, {n[len(p):]: take(w, n) for n in linear_names(cfg, i)}, name=f"layer {i}")
 
     @classmethod
@@ -38,23 +39,25 @@ class LinearAttentionLayer(Sublayer):
         """Heads split (Gated DeltaNet: key-head groups with their value heads); each rank keeps its heads'
         recurrent state, so the state arena splits too. The low-rank first factors and the per-head output
         norm are replicated."""
-        N = shard.world
-        if cfg.linear_num_heads % N:
-            return HeadSplit(why=f"{cfg.linear_num_heads} linear-attention heads do not split over {N} ranks")
-        return HeadSplit(changes={"linear_num_heads": cfg.linear_num_heads // N,
-                                  "linear_num_v_heads": cfg.linear_num_v_heads // N})
+        N, lin = shard.world, cfg.linear
+        if lin.num_heads % N:
+            return HeadSplit(why=f"{lin.num_heads} linear-attention heads do not split over {N} ranks")
+        # the rank's config: MoEConfig's fields (its ``linear`` view is made from them)
+        return HeadSplit(changes={"linear_num_heads": lin.num_heads // N, "linear_num_v_heads": lin.num_v_heads // N})
 
     @staticmethod
     def shard_tensors(cfg: MoEConfig, i: int, out: dict, plan) -> None:
-        _SHARD_TENSORS.get(cfg.linear_kind, _shard_gdn)(cfg, out, layer_prefix(i) + cfg.linear_prefix, plan.shard)
+        lin = cfg.linear
+        _SHARD_TENSORS.get(lin.kind, _shard_gdn)(lin, out, layer_prefix(i) + lin.prefix, plan.shard)
 
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int) -> StateCacheSpec:
         """A fixed state per sequence: the recurrent memory (float32) and the short convolution's inputs."""
-        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
-        if cfg.linear_kind == "kda":        # keys and values of one size; q, k, v each convolved
+        lin = cfg.linear
+        H, K, W = lin.num_heads, lin.head_dim, lin.conv_kernel
+        if lin.kind == "kda":               # keys and values of one size; q, k, v each convolved
             return StateCacheSpec(recurrent=(H, K, K), conv=(3 * H * K, W - 1))
-        Hv, V = cfg.linear_num_v_heads, cfg.linear_value_head_dim   # Gated DeltaNet: a [Dk, Dv] memory per value head
+        Hv, V = lin.num_v_heads, lin.value_head_dim     # Gated DeltaNet: a [Dk, Dv] memory per value head
         return StateCacheSpec(recurrent=(Hv, K, V), conv=(2 * H * K + Hv * V, W - 1))
 
     @staticmethod
@@ -67,8 +70,8 @@ class LinearAttentionLayer(Sublayer):
         One token per sequence (decode, or one-token prompts): one batched step for all of them;
         longer chunks: the chunked form per sequence, from the state its earlier chunks left. A
         sequence's first token starts from the zero state, whatever its slot held before."""
-        j = self.state_index
-        R, C = ctx.kv.rec[j], ctx.kv.conv[j]                             # R: [slots, H, K, V]; C: [slots, conv dim, W-1]
+        cache = ctx.kv[self.i]
+        R, C = cache.recurrent, cache.conv                               # R: [slots, H, K, V]; C: [slots, conv dim, W-1]
         if ctx.decode:
             slots = ctx.state                                            # slots: [B]
             if ctx.fresh is not None:
@@ -87,10 +90,11 @@ class LinearAttentionLayer(Sublayer):
         return out
 
 
-def _shard_kda(cfg: MoEConfig, out: dict, p: str, shard) -> None:
-    """Kimi Delta Attention's tensors (the released names: runtime/model/arch/kimi_linear.py) for the rank's heads."""
-    a, b = shard.part(cfg.linear_num_heads)
-    K = cfg.linear_head_dim
+def _shard_kda(lin, out: dict, p: str, shard) -> None:
+    """Kimi Delta Attention's tensors (the released names: runtime/model/arch/kimi_linear.py) for the rank's heads
+    (lin: the config's ``linear`` view)."""
+    a, b = shard.part(lin.num_heads)
+    K = lin.head_dim
     for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
               "v_conv1d.weight", "f_b_proj.weight", "g_b_proj.weight", "dt_bias"):
         out[p + n] = rows(out[p + n], a * K, b * K)
@@ -100,9 +104,10 @@ def _shard_kda(cfg: MoEConfig, out: dict, p: str, shard) -> None:
     out[p + "o_proj.weight"] = cols(out[p + "o_proj.weight"], a * K, b * K)
 
 
-def _shard_gdn(cfg: MoEConfig, out: dict, p: str, shard) -> None:
-    """Gated DeltaNet's tensors (runtime/model/arch/qwen3_next.py's table) for the rank's key-head groups."""
-    Hk, Dk, Hv, Dv = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_num_v_heads, cfg.linear_value_head_dim
+def _shard_gdn(lin, out: dict, p: str, shard) -> None:
+    """Gated DeltaNet's tensors (runtime/model/arch/qwen3_next.py's table) for the rank's key-head groups (lin: the
+    config's ``linear`` view)."""
+    Hk, Dk, Hv, Dv = lin.num_heads, lin.head_dim, lin.num_v_heads, lin.value_head_dim
     a, b = shard.part(Hk)
     r = Hv // Hk                                         # value heads per key head
     va, vb = a * r, b * r

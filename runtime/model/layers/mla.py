@@ -25,13 +25,13 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(Sublayer):
-    def __init__(self, cfg: MoEConfig, i: int, w: dict, *, kv_index: int) -> None:
+    def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
         p = layer_prefix(i) + "self_attn."
-        self.i, self.kv_index, self.eps = i, kv_index, LATENT_NORM_EPS
-        self.nh, self.nope, self.rope, self.vd, self.lat = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                                                            cfg.v_head_dim, cfg.kv_lora_rank)
+        self.i, self.eps, m = i, LATENT_NORM_EPS, cfg.mla
+        self.nh, self.nope, self.rope, self.vd, self.lat = (cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                                                            m.v_head_dim, m.kv_lora_rank)
         self.scale = mla_softmax_scale(cfg)
-        if cfg.q_lora_rank:
+        if m.q_lora_rank:
             self.q_a, self.q_a_norm, self.q_b = (take(w, p + "q_a_proj.weight"),
                                                  RMSNorm(take(w, p + "q_a_layernorm.weight"), self.eps),
                                                  take(w, p + "q_b_proj.weight"))
@@ -44,7 +44,7 @@ class MLAttention(Sublayer):
         self.kv_b = take(w, p + "kv_b_proj.weight")
         self.o = take(w, p + "o_proj.weight")
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
-        self.rot = _no_rotation if not cfg.mla_rope else rope_interleaved if cfg.rope_interleave else _rotate
+        self.rot = _no_rotation if not m.rope else rope_interleaved if m.rope_interleave else _rotate
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
@@ -61,9 +61,9 @@ class MLAttention(Sublayer):
         """q (or q_b) and kv_b by rows of the rank's heads, o by the same columns."""
         p = layer_prefix(i) + "self_attn."
         a, b = plan.shard.part(cfg.num_heads)
-        qk, kvw, vd = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                       cfg.v_head_dim)
-        q = p + ("q_b_proj.weight" if cfg.q_lora_rank else "q_proj.weight")
+        m = cfg.mla
+        qk, kvw, vd = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_nope_head_dim + m.v_head_dim, m.v_head_dim
+        q = p + ("q_b_proj.weight" if m.q_lora_rank else "q_proj.weight")
         out[q] = rows(out[q], a * qk, b * qk)
         out[p + "kv_b_proj.weight"] = rows(out[p + "kv_b_proj.weight"], a * kvw, b * kvw)
         out[p + "o_proj.weight"] = cols(out[p + "o_proj.weight"], a * vd, b * vd)
@@ -71,7 +71,8 @@ class MLAttention(Sublayer):
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int) -> TokenCacheSpec:
         """Per token one "head": the normalised KV latent and the shared rotary key, no v."""
-        return TokenCacheSpec(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, with_v=False)
+        m = cfg.mla
+        return TokenCacheSpec(1, m.kv_lora_rank + m.qk_rope_head_dim, with_v=False)
 
     @staticmethod
     def tensors(cfg: MoEConfig, i: int) -> dict:
@@ -79,16 +80,17 @@ class MLAttention(Sublayer):
         if cfg.qkv_bias:
             raise ValueError(f"{cfg.source}: attention_bias with MLA is not supported yet")
         p, H = layer_prefix(i) + "self_attn.", cfg.hidden_size
-        nh, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        if cfg.q_lora_rank:
-            out = {p + "q_a_proj.weight": (cfg.q_lora_rank, H), p + "q_a_layernorm.weight": (cfg.q_lora_rank,),
-                   p + "q_b_proj.weight": (nh * qk, cfg.q_lora_rank)}
+        m = cfg.mla
+        nh, qk, lat = cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+        if m.q_lora_rank:
+            out = {p + "q_a_proj.weight": (m.q_lora_rank, H), p + "q_a_layernorm.weight": (m.q_lora_rank,),
+                   p + "q_b_proj.weight": (nh * qk, m.q_lora_rank)}
         else:
             out = {p + "q_proj.weight": (nh * qk, H)}
-        out.update({p + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
-                    p + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-                    p + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                    p + "o_proj.weight": (H, nh * cfg.v_head_dim)})
+        out.update({p + "kv_a_proj_with_mqa.weight": (lat + m.qk_rope_head_dim, H),
+                    p + "kv_a_layernorm.weight": (lat,),
+                    p + "kv_b_proj.weight": (nh * (m.qk_nope_head_dim + m.v_head_dim), lat),
+                    p + "o_proj.weight": (H, nh * m.v_head_dim)})
         return {**out, **attention_extras(cfg, layer_prefix(i))}
 
     def _q_lora(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +106,7 @@ class MLAttention(Sublayer):
         latent = self.kv_a_norm(ckv[:, :lat])
         k_rot = ckv[:, lat:]
         rot = self.rot
-        K = ctx.kv.k[self.kv_index]                                      # K: [token slots, 1, lat+rope]
+        K = ctx.kv[self.i].k                                             # K: [token slots, 1, lat+rope]
         if ctx.decode:
             return self._decode(q, latent, k_rot, ctx, K)
         out = torch.empty(x.shape[0], nh, vd, dtype=x.dtype, device=x.device)

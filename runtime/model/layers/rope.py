@@ -67,7 +67,8 @@ def inv_frequencies(dim: int, base: float, y: dict, max_positions: int):
 
 def mla_softmax_scale(cfg: MoEConfig) -> float:
     """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 as DeepSeek applies it."""
-    s = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    m = cfg.mla
+    s = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
     y = cfg.rope_scaling
     if y and y.get("mscale_all_dim"):
         factor = y.get("factor") or cfg.max_position_embeddings / y["original_max_position_embeddings"]

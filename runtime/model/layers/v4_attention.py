@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MoEConfig
+from .cache import CacheTensor
 from .context import ForwardContext
 from .rope import inv_frequencies
 from .weights import layer_prefix, take
@@ -73,6 +74,37 @@ class CompressedCacheSpec:
 
     def bytes_per_sequence(self, dtype) -> int:
         return sum(int(torch.Size(s).numel()) for s in self.state_shapes().values()) * _size(dtype)
+
+    def cache_tensors(self) -> dict:
+        """The fixed state per slot (``state_shapes``), and per ``rate`` positions a compressed entry ``comp``
+        [dim] (CSA also the indexer's key ``icomp`` [index_dim]) in the sequence's KV blocks."""
+        out = {k: CacheTensor(shape, "slot") for k, shape in self.state_shapes().items()}
+        if self.rate:
+            out["comp"] = CacheTensor((self.dim,), "block", rate=self.rate)
+            if self.index_dim:
+                out["icomp"] = CacheTensor((self.index_dim,), "block", rate=self.rate)
+        return out
+
+
+def entry_rows(cache, seq, name: str):
+    """(read(count) -> the sequence's first ``count`` entries [count, dim], write(e, row)) of a layer's
+    compressed entries ``name`` (comp or icomp; cache: its ``LayerCache``); (None, None) where the layer
+    has none. Entry e lies in the block that holds its window's first position, e * rate."""
+    arena = cache.tensors.get(name)
+    if arena is None:
+        return None, None
+    rate, bs = cache.spec.rate, cache.block_size
+    epb = bs // rate                                                     # entries per block
+
+    def read(count: int):
+        p = torch.arange(count, device=arena.device) * rate              # each entry's first position
+        blocks = torch.as_tensor(seq.blocks[: -(-count * rate // bs)] or [0], device=arena.device)
+        return arena[blocks[p // bs] * epb + (p % bs) // rate]
+
+    def write(e: int, row) -> None:
+        p = e * rate
+        arena[seq.blocks[p // bs] * epb + (p % bs) // rate] = row
+    return read, write
 
 
 def _size(dtype) -> int:
@@ -156,16 +188,15 @@ class Compressor:
 
 
 class V4Attention(Sublayer):
-    """DeepSeek-V4 attention of layer ``i``; ``v4_index``: its place among the model's V4 layers (its
-    arenas in the cache)."""
+    """DeepSeek-V4 attention of layer ``i`` (its cache: ``kv[i]``, as ``cache_spec`` declares it)."""
 
-    def __init__(self, cfg: MoEConfig, i: int, w: dict, *, v4_index: int) -> None:
+    def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
         p = layer_prefix(i) + "self_attn."
-        self.i, self.v4_index = i, v4_index
-        self.kind = cfg.v4_kinds[i]
-        self.nh, self.hd, self.rd, self.W, self.eps = (cfg.num_heads, cfg.head_dim, cfg.qk_rope_head_dim,
-                                                       cfg.sliding_window, cfg.rms_norm_eps)
-        self.g = cfg.o_groups
+        self.i, v4 = i, cfg.v4
+        self.kind = v4.kinds[i]
+        self.nh, self.hd, self.rd, self.W, self.eps = (cfg.num_heads, cfg.head_dim, v4.rope_head_dim, v4.window,
+                                                       cfg.rms_norm_eps)
+        self.g = v4.o_groups
         self.q_a, self.q_a_norm, self.q_b = take(w, p + "q_a_proj.weight"), take(w, p + "q_a_norm.weight"), \
             take(w, p + "q_b_proj.weight")
         self.kv, self.kv_norm = take(w, p + "kv_proj.weight"), take(w, p + "kv_norm.weight")
@@ -174,15 +205,15 @@ class V4Attention(Sublayer):
         self.inv = rope_inv(cfg, self.kind).to(self.q_a.device)
         self.comp = self.index = None
         if self.kind != "sliding":
-            self.rate = cfg.compress_rates[self.kind]
+            self.rate = v4.compress_rates[self.kind]
             csa = self.kind == "csa"
             self.comp = Compressor(w, p + "compressor.", self.hd, self.rate, csa, self.eps, self.rd, self.inv)
             if csa:
                 q = p + "compressor.indexer."
-                self.index = Compressor(w, q, cfg.index_head_dim, self.rate, True, self.eps, self.rd, self.inv)
+                self.index = Compressor(w, q, v4.index_head_dim, self.rate, True, self.eps, self.rd, self.inv)
                 self.iq_b = take(w, q + "q_b_proj.weight")
                 self.iw = take(w, q + "scorer.weights_proj.weight")
-                self.ih, self.idim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+                self.ih, self.idim, self.topk = v4.index_n_heads, v4.index_head_dim, v4.index_topk
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
@@ -190,29 +221,31 @@ class V4Attention(Sublayer):
 
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int) -> CompressedCacheSpec:
-        kind = cfg.v4_kinds[i]
+        v4 = cfg.v4
+        kind = v4.kinds[i]
         if kind == "sliding":
-            return CompressedCacheSpec(cfg.head_dim, cfg.sliding_window)
+            return CompressedCacheSpec(cfg.head_dim, v4.window)
         csa = kind == "csa"
-        return CompressedCacheSpec(cfg.head_dim, cfg.sliding_window, cfg.compress_rates[kind],
-                                   (2 if csa else 1) * cfg.head_dim, cfg.index_head_dim if csa else 0, csa)
+        return CompressedCacheSpec(cfg.head_dim, v4.window, v4.compress_rates[kind],
+                                   (2 if csa else 1) * cfg.head_dim, v4.index_head_dim if csa else 0, csa)
 
     @staticmethod
     def tensors(cfg: MoEConfig, i: int) -> dict:
-        p, H, hd, nh = layer_prefix(i) + "self_attn.", cfg.hidden_size, cfg.head_dim, cfg.num_heads
-        out = {p + "q_a_proj.weight": (cfg.q_lora_rank, H), p + "q_a_norm.weight": (cfg.q_lora_rank,),
-               p + "q_b_proj.weight": (nh * hd, cfg.q_lora_rank), p + "kv_proj.weight": (hd, H),
-               p + "kv_norm.weight": (hd,), p + "o_a_proj.weight": (cfg.o_groups * cfg.o_lora_rank, nh * hd // cfg.o_groups),
-               p + "o_b_proj.weight": (H, cfg.o_groups * cfg.o_lora_rank), p + "sinks": (nh,)}
-        kind = cfg.v4_kinds[i]
+        p, H, hd, nh, v4 = layer_prefix(i) + "self_attn.", cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.v4
+        qr, og, orank = v4.q_lora_rank, v4.o_groups, v4.o_lora_rank
+        out = {p + "q_a_proj.weight": (qr, H), p + "q_a_norm.weight": (qr,),
+               p + "q_b_proj.weight": (nh * hd, qr), p + "kv_proj.weight": (hd, H),
+               p + "kv_norm.weight": (hd,), p + "o_a_proj.weight": (og * orank, nh * hd // og),
+               p + "o_b_proj.weight": (H, og * orank), p + "sinks": (nh,)}
+        kind = v4.kinds[i]
         if kind != "sliding":
-            rate, csa = cfg.compress_rates[kind], kind == "csa"
+            rate, csa = v4.compress_rates[kind], kind == "csa"
             out.update(Compressor.tensors(p + "compressor.", H, hd, rate, csa))
             if csa:
                 q = p + "compressor.indexer."
-                out.update(Compressor.tensors(q, H, cfg.index_head_dim, rate, True))
-                out.update({q + "q_b_proj.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-                            q + "scorer.weights_proj.weight": (cfg.index_n_heads, H)})
+                out.update(Compressor.tensors(q, H, v4.index_head_dim, rate, True))
+                out.update({q + "q_b_proj.weight": (v4.index_n_heads * v4.index_head_dim, qr),
+                            q + "scorer.weights_proj.weight": (v4.index_n_heads, H)})
         return out
 
     # -- one sequence's tokens -------------------------------------------------------------------
@@ -280,19 +313,21 @@ class V4Attention(Sublayer):
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [tokens, hidden], tokens of several sequences back to back (ctx.spans)."""
         out = torch.empty_like(x)
-        arena = ctx.kv.v4[self.v4_index]
+        cache = ctx.kv[self.i]
+        state = cache.slot_tensors()                                     # name -> [slots, ...]
         for s, (a, b) in zip(ctx.seqs, ctx.spans):
-            st = {k: t[s.state] for k, t in arena.state.items()}
-            out[a:b] = self._run(x[a:b], s.length, st, arena.rows(s, "comp"), arena.rows(s, "icomp"))
+            st = {k: t[s.state] for k, t in state.items()}
+            out[a:b] = self._run(x[a:b], s.length, st, entry_rows(cache, s, "comp"), entry_rows(cache, s, "icomp"))
         return out
 
 
 def rope_inv(cfg: MoEConfig, kind: str) -> torch.Tensor:
     """Inverse frequencies of a layer's RoPE: θ = rope_theta on sliding layers, the compress θ and its
     YaRN scaling (attention factor 1: cos / sin unscaled, as the reference applies it) elsewhere."""
+    v4 = cfg.v4
     if kind == "sliding":
-        inv, _ = inv_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, {}, cfg.max_position_embeddings)
+        inv, _ = inv_frequencies(v4.rope_head_dim, cfg.rope_theta, {}, cfg.max_position_embeddings)
     else:
-        inv, _ = inv_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.compress_rope_scaling,
+        inv, _ = inv_frequencies(v4.rope_head_dim, v4.compress_rope_theta, v4.compress_rope_scaling,
                                  cfg.max_position_embeddings)
     return inv.float()

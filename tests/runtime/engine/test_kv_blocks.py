@@ -13,14 +13,14 @@ def run(store, kv_tokens, max_batch, greedy=True):
     try:
         model.init_kv(kv_tokens * model.kv_bytes_per_token(), block_size=8)
         eng = Engine(model, st, max_batch=max_batch, prefill_chunk=8)
-        k0 = model.kv.k.data_ptr()
+        k0 = model.kv[0].k.data_ptr()
         ids = [eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0 if greedy else 0.9,
                                                  seed=i)) for i, p in enumerate(PROMPTS)]
         peak = 0
         while eng.has_work():
             eng.step()
             peak = max(peak, eng.kv.num_blocks - eng.kv.free_blocks)
-            assert model.kv.k.data_ptr() == k0          # never reallocated: memory fixed at start
+            assert model.kv[0].k.data_ptr() == k0          # never reallocated: memory fixed at start
         assert eng.kv.free_blocks == eng.kv.num_blocks   # every block returned
         return [eng.done[i].output for i in ids], eng.preemptions, peak, model.kv.num_blocks
     finally:
