@@ -387,7 +387,16 @@ class TieredPlacement:
 
     def prefetch_detail(self, layer: int, keys: Sequence[int], t: int, protected: set) -> Moves:
         """Like ``prefetch`` but names the experts: loaded (to the device), from_disk (of those),
-        and what each tier evicted for them."""
+        and what each tier evicted for them. A layer computed on the host (``cpu_layers``): predictions only the
+        disk holds are read into the host tier (``from_disk``, none ``loaded``); nothing goes to the device."""
+        if layer < self.cpu_layers:
+            if self.host is None:
+                return Moves()
+            hins, hev = self.host[layer].prefetch(keys, t, protected)
+            dev_evicted = self._back_invalidate(hev) if hev else []
+            self.host_evictions += len(hev)
+            self.prefetch_from_disk += len(hins)
+            return Moves(from_disk=tuple(hins), device_evicted=tuple(dev_evicted), host_evicted=tuple(hev))
         ins, ev = self.device[layer].prefetch(keys, t, protected)
         dev_evicted = list(ev)
         if ev:
@@ -436,6 +445,13 @@ class TieredPlacement:
             self.host[key // self.num_experts].remove(key)
 
     def device_capacity(self, layer: int) -> int:
+        return self.device[layer].capacity
+
+    def compute_capacity(self, layer: int) -> "int | None":
+        """Experts of ``layer`` that can be resident at once where they compute: the host tier's pool for a layer
+        computed on the host (``cpu_layers``; None where the host holds every expert), else the device pool."""
+        if layer < self.cpu_layers:
+            return None if self.host is None else self.host[layer].capacity
         return self.device[layer].capacity
 
     def device_full(self, layer: int) -> bool:

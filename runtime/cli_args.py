@@ -30,10 +30,10 @@ def parse_batches(text: str) -> list:
 
 
 def parse_budget(text, flag):
-    """A byte budget flag: bytes or a size (512MiB, 4GiB); --device-budget also takes auto."""
+    """A byte budget flag: bytes or a size (512MiB, 4GiB); --device-budget and --host-budget also take auto."""
     if text is None:
         return None
-    if flag == "--device-budget" and str(text).strip().lower() == "auto":
+    if flag in ("--device-budget", "--host-budget") and str(text).strip().lower() == "auto":
         return "auto"
     try:
         return parse_bytes(text)
@@ -100,7 +100,10 @@ def _add_tier_args(p) -> None:
                    help="memory of the KV cache, preallocated in blocks of 16 tokens; requests are admitted by free "
                         "blocks and preempted (recomputed later) when out (default 0: --max-batch sequences of 1024 "
                         "tokens, at least one whole context up to 8192)")
-    p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts)")
+    p.add_argument("--host-budget", help="bytes of experts in host memory (default: all experts). On a machine without "
+                                         "a GPU it is the one budget: every expert computes from host memory, the "
+                                         "rest stay on disk; auto: the memory available (or the cgroup limit's "
+                                         "room) less dense weights, KV cache and a margin of 256 MiB + 10%%")
     p.add_argument("--policy", default="reuse", help=f"one of {', '.join(live_policies())} (default reuse: predicted "
                                                      "reuse, no collapse in a global pool at high batch)")
     p.add_argument("--scope", default="global", help=" or ".join(SCOPES))
@@ -300,7 +303,10 @@ def _plan(sub, commands: dict) -> None:
     pl = sub.add_parser("plan", help="per GPU: dense weights, KV and state for a context x batch, expert slots left, "
                                      "host DRAM; the layout to run and its projected tokens/s")
     pl.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
-    pl.add_argument("--gpus", type=int, required=True, help="GPUs to plan for (tensor-parallel x pipeline stages)")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs to plan for (tensor-parallel x pipeline stages); 0: "
+                                                           "this machine's CPU, one memory (--host-budget auto)")
+    pl.add_argument("--host-memory", default=None, help="with --gpus 0: the memory to plan for (default: what this "
+                                                        "machine has available, a cgroup limit included)")
     pl.add_argument("--context", type=int, required=True, help="tokens of context per sequence")
     pl.add_argument("--batch", type=int, required=True, help="sequences at once")
     pl.add_argument("--profile", default="h200", help="hardware profile with a multi_gpu section (default h200)")

@@ -21,7 +21,7 @@ from .model.moe import kv_bytes_per_token, state_bytes_per_sequence
 from .model.store_cache import resolve_model
 from .model.synthetic import K3ShapeSpec, SyntheticModelSpec, build_checkpoint, build_k3_checkpoint
 from .parallel.group import Group
-from .plan import format_plan, plan_layouts
+from .plan import format_plan, format_plan_cpu, plan_cpu, plan_layouts
 from .regimes import format_rows, run_regimes
 from .serve.api import Server
 from .serve.client import EngineError
@@ -116,6 +116,10 @@ def run_regimes_on_model(a, batches: list, configs: list) -> int:
 
 
 def cmd_plan(a) -> int:
+    if a.gpus == 0:             # a machine without a GPU: one memory (runtime/plan.py plan_cpu)
+        p = plan_cpu(a.model, context=a.context, batch=a.batch, memory=parse_budget(a.host_memory, "--host-memory"))
+        print(json.dumps(p, indent=1) if a.json else format_plan_cpu(p))
+        return 0
     p = plan_layouts(a.model, gpus=a.gpus, context=a.context, batch=a.batch, profile=a.profile,
                      budget=parse_budget(a.gpu_memory, "--gpu-memory"), utilization=a.gpu_memory_utilization,
                      trace=a.trace, policy=a.policy, expert_format=a.expert_format)
@@ -210,16 +214,25 @@ def cmd_generate(a) -> int:
         summ = eng.summary()
         if a.trace_out:
             eng.trace().save(a.trace_out)
-        print(json.dumps(summ) if a.json else
-              f"\n[{summ['generated_tokens']} tokens in {summ['seconds']:.2f} s, {summ['tokens_per_s']:.1f} tok/s; "
-              f"device hit rate {summ['hit_rate_device']:.3f}; stalled {summ['stall_seconds']:.3f} s; "
-              f"device tier: {'CPU memory standing in for HBM' if summ['device_is_stand_in'] else store.device}]",
-              file=sys.stderr if not a.json else sys.stdout)
+        print(json.dumps(summ) if a.json else _summary_line(summ, store), file=sys.stderr if not a.json else sys.stdout)
     finally:
         store.close()
         if group is not None:
             group.close()
     return 0
+
+
+def _summary_line(summ: dict, store) -> str:
+    head = f"\n[{summ['generated_tokens']} tokens in {summ['seconds']:.2f} s, {summ['tokens_per_s']:.1f} tok/s; "
+    if store.compute_on_host(store.layers[0]) and store.compute_on_host(store.layers[1] - 1):
+        # one memory (a CPU given a host budget, or --cpu-experts over every layer): no device tier in use
+        need = sum(summ["hits"].values()) or 1
+        per_tok = summ["bytes"]["disk_to_host"] / max(1, summ["generated_tokens"])
+        return (head + f"experts from host memory {summ['hits']['host'] / need:.3f}, from disk "
+                f"{summ['hits']['disk'] / need:.3f} ({per_tok / 1e6:.1f} MB read per token); stalled "
+                f"{summ['stall_seconds']:.3f} s]")
+    return (head + f"device hit rate {summ['hit_rate_device']:.3f}; stalled {summ['stall_seconds']:.3f} s; "
+            f"device tier: {'CPU memory standing in for HBM' if summ['device_is_stand_in'] else store.device}]")
 
 
 def cmd_serve(a) -> int:

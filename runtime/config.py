@@ -29,7 +29,7 @@ class RuntimeConfig:
     model: str
     device_budget: "int | str | None" = None   # bytes, or "auto" (runtime/plan.py)
     kv_cache_budget: int = 0
-    host_budget: "int | None" = None
+    host_budget: "int | str | None" = None     # bytes, or "auto" (a machine without a GPU: load_model)
     policy: str = "reuse"
     scope: str = "global"
     prefetch: str = "none"
@@ -62,6 +62,8 @@ class RuntimeConfig:
             raise ValueError(f"--prefetch {self.prefetch!r}: use {', '.join(LIVE_PREFETCHERS)}")
         if isinstance(self.device_budget, str) and self.device_budget != "auto":
             raise ValueError(f"--device-budget {self.device_budget!r}: give bytes or auto")
+        if isinstance(self.host_budget, str) and self.host_budget != "auto":
+            raise ValueError(f"--host-budget {self.host_budget!r}: give bytes or auto")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("--max-batch and --prefill-chunk must be at least 1")
         if not self.cache_bonus >= 0:

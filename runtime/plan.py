@@ -32,8 +32,9 @@ from .expert_codec import blob_tensor_specs, expert_weight_specs
 from .model.config import MoEConfig
 from .model.convert import ShippedQuant
 # What a model takes on a device: load_model splits a budget by the same sums (importable from here as before).
+from .model import compute_dtype_for
 from .model.footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes, device_memory,  # noqa: F401
-                              stage_tensors)
+                              host_budget_auto, host_margin, host_memory_available, stage_tensors)
 from .model.moe import dense_tensors
 from .parallel.shard import Shard, allreduces_per_layer, plan, rank_manifest, shard_dense, stage_layers
 from .quant import cost_dtype, get_format
@@ -241,6 +242,44 @@ def _trace_for(store_dir: str, cfg, m, trace) -> tuple:
         raise ValueError(f"the trace routes {tr.num_layers} layers x {tr.num_experts} experts, the store has "
                          f"{m.num_layers} x {m.num_experts}")
     return tr, src
+
+
+def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" = None) -> dict:
+    """A machine without a GPU (``--gpus 0``): one memory. What ``--host-budget auto`` gives the experts
+    (load_model's own sum, footprint.host_budget_auto): the memory available (``memory``, else this
+    machine's: MemAvailable or a cgroup limit's room) less the dense weights in the compute dtype, the KV
+    cache of ``context`` x ``batch`` and the margin; how many experts that holds and the share left on disk."""
+    if context < 1 or batch < 1:
+        raise ValueError("--context and --batch must be positive")
+    cfg, m = MoEConfig.from_hf(store_dir), Manifest.read(store_dir)
+    shapes = dense_shapes(store_dir)
+    dtype = compute_dtype_for(shapes["model.embed_tokens.weight"].dtype, "cpu")
+    dense, cache = dense_bytes(shapes.values(), dtype), cache_bytes(cfg, dtype, context, batch)
+    avail, src = (int(memory), "--host-memory") if memory is not None else host_memory_available()
+    budget = host_budget_auto(avail, dense, cache)
+    total = m.num_layers * m.num_experts
+    slots = max(0, min(budget // m.blob_stride, total))
+    return {"model": cfg.model_type, "source": store_dir, "memory": avail, "memory_source": src,
+            "dense": dense, "dense_dtype": str(dtype).replace("torch.", ""), "cache": cache, "context": context,
+            "batch": batch, "margin": host_margin(avail), "host_budget": max(0, budget),
+            "expert_bytes": m.blob_stride, "experts_total": total, "experts_in_memory": int(slots),
+            "on_disk_share": 1 - slots / total, "runs": slots >= cfg.top_k}
+
+
+def format_plan_cpu(p: dict) -> str:
+    mib = 2 ** 20
+    lines = [f"plan: {p['model']} ({p['source']}) on this machine's CPU (no GPU: one memory), context "
+             f"{p['context']:,} x batch {p['batch']}",
+             f"memory available   {p['memory'] / mib:>10,.0f} MiB  ({p['memory_source']})",
+             f"- dense weights    {p['dense'] / mib:>10,.0f} MiB  ({p['dense_dtype']}; --dense-quant int8 / int4 keeps less)",
+             f"- KV cache + state {p['cache'] / mib:>10,.0f} MiB",
+             f"- margin           {p['margin'] / mib:>10,.0f} MiB  (256 MiB + 10% of what is available)",
+             f"= experts          {p['host_budget'] / mib:>10,.0f} MiB  (--host-budget auto): {p['experts_in_memory']:,} "
+             f"of {p['experts_total']:,} experts of {p['expert_bytes'] / mib:.2f} MiB in memory, "
+             f"{p['on_disk_share']:.0%} read from disk when needed"]
+    if not p["runs"]:
+        lines.append("cannot run: the memory left does not hold one layer's top-k experts")
+    return "\n".join(lines)
 
 
 def format_plan(p: dict) -> str:

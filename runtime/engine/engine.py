@@ -109,15 +109,16 @@ class Engine:
         can need more experts than the device holds); start-up refuses a tier too small for one
         decode step of max_batch sequences."""
         cfg, store = self.model.cfg, self.store
-        cap = store.device_capacity(0)
-        if store.host_holds_all or cap >= cfg.num_experts:
+        cap = store.compute_capacity(0)        # the device tier's, or the host's where layers compute there
+        if cap is None or cap >= cfg.num_experts:
             return None
         step_tokens = cap // cfg.top_k
         if step_tokens < min(max_batch, cfg.num_experts):
             need = min(cfg.num_experts, max_batch * cfg.top_k)
-            raise ValueError(f"the device tier holds {cap} experts per layer and the host tier does not hold every "
-                             f"expert: a step of --max-batch {max_batch} sequences needs up to {need} experts of a "
-                             f"layer at once. Raise the device budget to hold {need} experts "
+            tier = "host" if store.compute_on_host(0) else "device"
+            raise ValueError(f"the {tier} tier the experts compute from holds {cap} experts per layer and the host "
+                             f"tier does not hold every expert: a step of --max-batch {max_batch} sequences needs up "
+                             f"to {need} experts of a layer at once. Raise the {tier} budget to hold {need} experts "
                              f"({need * store.m.blob_stride:,} bytes of expert slots), let the host hold every "
                              f"expert, or lower --max-batch to {max(1, step_tokens)}")
         return step_tokens

@@ -8,7 +8,8 @@ from ..store.slices import rank_manifest
 from .config import SUPPORTED, MoEConfig
 from .convert import load_dense
 from .dense_slices import shard_dense
-from .footprint import GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes as _dense_bytes, device_memory, stage_tensors
+from .footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes as _dense_bytes, device_memory,
+                        host_budget_auto, host_memory_available, stage_tensors)
 from .moe import MoEModel, Sequence, StepHooks, route, state_bytes_per_sequence
 
 
@@ -81,6 +82,14 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     # A rank's expert slots hold its slice of each expert (the whole one without tensor parallelism).
     stride = m.blob_stride if shard is None else rank_stride(m, shard)
     held = m.num_layers if moe_range is None else moe_range[1] - moe_range[0]     # MoE layers this process holds
+    on = device or (rank.device if rank is not None else None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(on).type == "cpu" and rank is None and device_budget is None and expert_budget is None \
+            and host_budget is not None:
+        host_budget, cpu_experts, expert_budget = _one_memory(cfg, m, dense, dtype, host_budget, kv_cache_bytes,
+                                                              max_batch)
+    elif host_budget == "auto":
+        raise ValueError("--host-budget auto sizes the one memory of a machine without a GPU (no --device-budget); "
+                         "with a device tier give the host budget in bytes")
     if device_budget == "auto":
         # As runtime/plan.py reports it (footprint.py): the device's memory at gpu_memory_utilization, the cache for
         # max_batch sequences of the context (up to 8192 tokens) unless --kv-cache-budget says otherwise, the rest
@@ -113,6 +122,31 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                         layers=moe_range)
     return MoEModel(cfg, dense, store, device=store.device, dtype=dtype, kv_bytes=kv_cache_bytes or None,
                     host_act_quant=host_act_quant, dense_quant=dense_quant, tp=rank), store
+
+
+def _one_memory(cfg, m, dense: dict, dtype, host_budget, kv_cache_bytes: int, max_batch: int) -> tuple:
+    """A machine without a GPU given only a host budget: one memory. A "device" tier would be a second copy of
+    the experts in the same RAM, so the host budget is all the experts get - every expert computes from its
+    host-tier slot (cpu_experts = every MoE layer; llama.cpp's --n-cpu-moe over all of them) and the device
+    tier keeps the minimum its checks ask (one layer's top-k slots, never filled). ``auto``: the memory
+    available (host_memory_available: MemAvailable, or a cgroup limit's room) less the dense weights still to
+    be made, the KV cache and a margin (footprint.host_budget_auto). -> (host_budget, cpu_experts,
+    expert_budget)."""
+    stride = m.blob_stride
+    if host_budget == "auto":
+        avail, src = host_memory_available()
+        loaded = sum(t.numel() * t.element_size() for t in dense.values())       # held now, as stored
+        grow = max(0, _dense_bytes(dense.values(), dtype) - loaded)              # widened to the compute dtype
+        ctx = min(cfg.max_position_embeddings, 8192)
+        kv = kv_cache_bytes or max(cache_bytes(cfg, dtype, min(ctx, 1024), max_batch), cache_bytes(cfg, dtype, ctx, 1))
+        host_budget = host_budget_auto(avail, grow, kv)
+        need = cfg.top_k * stride
+        if host_budget < need:
+            raise ValueError(f"--host-budget auto: {avail:,} bytes available ({src}) less the dense weights' growth "
+                             f"({grow:,}), the KV cache ({kv:,}) and the margin leave {max(host_budget, 0):,} bytes, "
+                             f"less than one layer's top-{cfg.top_k} experts ({need:,} bytes)")
+        host_budget = min(host_budget, m.num_layers * m.num_experts * stride)
+    return host_budget, str(m.num_layers), cfg.top_k * stride
 
 
 __all__ = ["SUPPORTED", "MoEConfig", "MoEModel", "Sequence", "StepHooks", "route", "load_model"]

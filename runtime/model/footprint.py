@@ -16,6 +16,63 @@ from .layers.cache import kv_block_size
 from .layers.kinds import cache_specs
 
 GPU_MEMORY_UTILIZATION = 0.9   # the share of a device --device-budget auto takes (vLLM's gpu_memory_utilization)
+# What --host-budget auto leaves free of the memory available to the process: for the allocator, Python and
+# torch's own buffers, the page cache of the store's reads, and the step's activations.
+HOST_MARGIN_BYTES = 256 * 2**20
+HOST_MARGIN_SHARE = 0.10
+
+
+def _read_int(path: str) -> "int | None":
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> "tuple[int, str]":
+    """(bytes, where from) this process can still take: the kernel's MemAvailable, or less where its cgroup's
+    memory limit (v2 memory.max, v1 memory.limit_in_bytes; page cache counted) leaves less above what the
+    cgroup already uses."""
+    avail, src = None, "MemAvailable"
+    try:
+        with open(f"{proc}/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        raise ValueError(f"cannot read MemAvailable from {proc}/meminfo: give --host-budget in bytes")
+    rel = ""
+    try:
+        with open(f"{proc}/self/cgroup") as f:
+            for line in f:          # v2: "0::/path"; v1: "N:memory:/path"
+                parts = line.strip().split(":", 2)
+                if len(parts) == 3 and (parts[1] == "" or "memory" in parts[1].split(",")):
+                    rel = parts[2]
+                    if parts[1]:
+                        break
+    except OSError:
+        pass
+    for d in {f"{cgroup}{rel}".rstrip("/"), cgroup, f"{cgroup}/memory{rel}".rstrip("/"), f"{cgroup}/memory"}:
+        for lim_name, use_name in (("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+            lim, use = _read_int(f"{d}/{lim_name}"), _read_int(f"{d}/{use_name}")
+            if lim is not None and use is not None and lim < 1 << 60 and lim - use < avail:
+                avail, src = max(0, lim - use), f"the cgroup limit {d}/{lim_name} ({lim:,} bytes) less its use"
+    return avail, src
+
+
+def host_margin(avail: int) -> int:
+    """The margin --host-budget auto leaves: HOST_MARGIN_BYTES + HOST_MARGIN_SHARE of what is available."""
+    return HOST_MARGIN_BYTES + int(HOST_MARGIN_SHARE * avail)
+
+
+def host_budget_auto(avail: int, dense: int, cache: int) -> int:
+    """--host-budget auto: the memory available, less the dense weights still to be made, the KV cache and the
+    margin (``host_margin``)."""
+    return int(avail) - int(dense) - int(cache) - host_margin(int(avail))
 
 
 def dense_bytes(tensors, dtype) -> int:

@@ -35,6 +35,14 @@ class Mover:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device) if cuda else None
 
+    def read_host(self, key: int) -> None:
+        """Runs on a worker thread: disk -> host slot, for an expert computed on the host from that slot."""
+        try:
+            self.host.read(key)
+        except ChecksumError:   # a transient bad read: once more, as ``move`` does
+            self.stats.reread += 1
+            self.host.read(key)
+
     def move(self, key: int, from_disk: bool, after=None) -> None:
         """Runs on a worker thread: disk -> host slot (if needed) -> device slot. ``after``: a CUDA
         event recorded when the slot was handed over; compute queued before it may still read
@@ -78,6 +86,10 @@ class Mover:
             fut = pool.submit(self.move, k, k in from_disk, handover)
             self.inflight[k] = fut
             started[k] = fut
+        # experts computed on the host that only the disk holds: read into their host slot, nothing moves on
+        for k in from_disk.difference(d.loaded):
+            self.host.slab.alloc(k)
+            started[k] = self.inflight[k] = pool.submit(self.read_host, k)
         self.stats.bytes["host_to_device"] += len(d.loaded) * self.blob_bytes
         self.stats.bytes["disk_to_host"] += len(from_disk) * self.blob_bytes
         return started
@@ -143,8 +155,7 @@ class Fetch:
             yield [e for e in wave if e not in self.pending] + [e for e in wave if e in self.pending]
 
     def tensors(self, expert: int) -> dict:
-        if expert in self.host:
-            return self.store.slot_views(self.layer * self.store.m.num_experts + expert, host=True)
+        """The expert's tensors where it computes (its host slot, or its device slot), once its load is in."""
         fut = self.pending.get(expert)
         if fut is not None:
             t0 = time.perf_counter()
@@ -155,7 +166,7 @@ class Fetch:
                 raise ExpertLoadError(f"layer {self.layer} expert {expert}: {e}") from None
             finally:
                 self.store.stats.stall_seconds += time.perf_counter() - t0
-        return self.store.slot_views(self.layer * self.store.m.num_experts + expert)
+        return self.store.slot_views(self.layer * self.store.m.num_experts + expert, host=expert in self.host)
 
     def wait(self) -> None:
         for e in self.pending:

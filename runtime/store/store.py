@@ -185,9 +185,10 @@ class ExpertStore:
         if not self.layers[0] <= layer < self.layers[1]:
             raise ValueError(f"layer {layer} out of range: the store holds MoE layers {self.layers[0]}.."
                              f"{self.layers[1] - 1} of {m.num_layers}")
-        pool_cap = self.placement.device_capacity(layer)
-        if len(experts) > pool_cap and not self._host_holds_all:
-            raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the device tier holds {pool_cap}: "
+        pool_cap = self.placement.compute_capacity(layer)
+        if pool_cap is not None and len(experts) > pool_cap and not self._host_holds_all:
+            tier = "host" if self.compute_on_host(layer) else "device"
+            raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the {tier} tier holds {pool_cap}: "
                              f"waves need a host tier that holds every expert; raise the device or host budget")
         keys = [layer * m.num_experts + e for e in experts]
         cnt = [cmap[e] for e in experts] if counts is not None else None
@@ -274,8 +275,9 @@ class ExpertStore:
         started = self.carry_out(d, self.prefetch_pool)
         disk = set(d.from_disk)    # a half-read host slot must not be dropped: only host->device copies are cancelled
         self._prefetching.update({k: f for k, f in started.items() if k not in disk})
-        self.stats.prefetch_loaded += len(d.loaded)
-        return len(d.loaded)
+        n = len(d.loaded) + len(disk.difference(d.loaded))    # to the device, or (host-computed) into the host tier
+        self.stats.prefetch_loaded += n
+        return n
 
     def holds(self, layer: int) -> bool:
         """Whether this store holds MoE layer ``layer`` (a pipeline stage holds a range)."""
@@ -312,6 +314,15 @@ class ExpertStore:
     def device_capacity(self, layer: int = 0) -> int:
         """Experts the device tier can hold for ``layer`` (its pool's capacity)."""
         return self.placement.device_capacity(layer)
+
+    def compute_on_host(self, layer: int) -> bool:
+        """Whether every expert of ``layer`` computes from its host-tier slot (cpu_experts N covers it)."""
+        return layer < self.cpu_experts.layers
+
+    def compute_capacity(self, layer: int = 0) -> "int | None":
+        """Experts of ``layer`` that can be held at once where they compute (the host tier's pool for a layer
+        computed on the host, else the device's; None: no limit, the host holds every expert)."""
+        return None if self._host_holds_all else self.placement.compute_capacity(layer)
 
     def displaced_reuse(self, layer: int) -> float:
         """The chance a resident that a prefetch into ``layer`` displaces is needed again: the device

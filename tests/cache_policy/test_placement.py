@@ -151,3 +151,20 @@ def test_prefetch_accounting_adds_up_with_a_small_host_tier():
                                           prefetch=pf, prefetch_budget=4), 2)
         ps = r["prefetch_stats"]
         assert ps["issued"] == ps["used"] + ps["wasted"] + ps["unused_at_end"], pf
+
+
+def test_a_host_computed_layer_prefetches_into_the_host_tier_only():
+    """cpu_layers (and one memory on a CPU): a prediction for a layer computed on the host is read from disk into
+    the host tier; the device tier is never touched, and a demand access then finds it on the host."""
+    place = TieredPlacement(num_layers=2, num_experts=8, scope="global", device_slots=2, host_slots=3,
+                            policy_factory=LRU, cpu_layers=2)
+    d = place.prefetch_detail(0, [1, 2], 0, set())
+    assert d.loaded == () and set(d.from_disk) == {1, 2} and not place.device[0].resident
+    assert place.compute_capacity(0) == 3 and place.device_capacity(0) == 2
+    got = place.access_detail(0, [1, 2], 1)
+    assert set(got.host) == {1, 2} and got.moves.from_disk == () and got.misses == ()   # both on the host already
+    d = place.prefetch_detail(0, [1], 2, set())
+    assert d.from_disk == ()                                                     # already there: nothing to read
+    full = TieredPlacement(num_layers=2, num_experts=8, scope="global", device_slots=2, host_slots=None,
+                           policy_factory=LRU, cpu_layers=2)
+    assert full.prefetch_detail(0, [1, 2], 0, set()).from_disk == () and full.compute_capacity(0) is None
