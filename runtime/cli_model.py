@@ -145,10 +145,17 @@ def cmd_convert(a) -> int:
 def _runtime_config(a, max_active="args"):
     """The command line's runtime configuration (runtime/config.py), validated once. ``max_active``:
     the value to configure (generate applies --max-active to its own batch: RuntimeConfig.engine)."""
+    host_budget = parse_budget(a.host_budget, "--host-budget")
+    if (host_budget is None and a.device_budget is None and not torch.cuda.is_available()
+            and getattr(a, "tensor_parallel", 1) == 1 and getattr(a, "pipeline_parallel", 1) == 1):
+        # A machine without a GPU and no budget given: one memory sized to what is available (load_model's
+        # _one_memory): every expert in memory when they fit, the rest on disk when they do not - never a second
+        # (device stand-in) copy, never more than the machine has. --device-budget keeps the stand-in tier.
+        host_budget = "auto"
     try:
         return RuntimeConfig(model=a.model, device_budget=parse_budget(a.device_budget, "--device-budget"),
                              kv_cache_budget=parse_budget(a.kv_cache_budget, "--kv-cache-budget") or 0,
-                             host_budget=parse_budget(a.host_budget, "--host-budget"), policy=a.policy, scope=a.scope,
+                             host_budget=host_budget, policy=a.policy, scope=a.scope,
                              prefetch=a.prefetch, max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
                              threads=getattr(a, "threads", None), cache_bonus=a.cache_bonus, schedule=a.schedule,
                              max_active=a.max_active if max_active == "args" else max_active,
@@ -187,6 +194,7 @@ def cmd_generate(a) -> int:
         prompts = [tok.encode(p) for p in a.prompt]
     else:
         raise CliError("give --prompt TEXT (repeatable) or --prompt-ids 1,2,3")
+    a.max_batch = len(prompts)      # generate knows its batch: the memory it sizes is for these sequences
     cfg = _runtime_config(a, max_active=None)
     group = None
     if cfg.tensor_parallel * cfg.pipeline_parallel > 1:          # ranks 1..N-1 start here (or under torchrun: they never return)

@@ -50,9 +50,19 @@ class SyntheticModelSpec:
             raise ValueError("synthetic model: top_k exceeds num_experts")
 
 
-def build_checkpoint(out_dir: str, spec: SyntheticModelSpec = SyntheticModelSpec()) -> str:
+def build_checkpoint(out_dir: str, spec: SyntheticModelSpec = SyntheticModelSpec(), *, dtype=torch.float32,
+                     shard_by_layer: bool = False) -> str:
+    """Write the synthetic checkpoint (HF layout, Mixtral names) in ``dtype``. ``shard_by_layer``: one
+    safetensors file per layer plus the index, each written as soon as its layer is made, so a checkpoint
+    larger than memory is never held whole (the same weights either way: one generator, one order)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
+    index: dict = {}
+
+    def flush(w: dict, name: str) -> None:
+        save_file({k: v.contiguous().to(dtype) for k, v in w.items()}, os.path.join(out_dir, name))
+        index.update({k: name for k in w})
+        w.clear()
     g = torch.Generator().manual_seed(spec.seed)
     V, H, I, L, E = spec.vocab_size, spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.num_experts
     hd = H // spec.num_heads
@@ -81,12 +91,18 @@ def build_checkpoint(out_dir: str, spec: SyntheticModelSpec = SyntheticModelSpec
             w[q + "w1.weight"] = rnd(I, X, scale=0.02)
             w[q + "w3.weight"] = rnd(I, X, scale=0.02)
             w[q + "w2.weight"] = rnd(X, I, scale=0.02)
-    save_file({k: v.contiguous().float() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
+        if shard_by_layer:
+            flush(w, f"model-{l + 1:05d}-of-{L:05d}.safetensors")
+    if shard_by_layer:                                  # (embeddings, head and final norm went with layer 0's file)
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": index}, f)
+    else:
+        flush(w, "model.safetensors")
     config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": V, "hidden_size": H,
               "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": spec.num_heads,
               "num_key_value_heads": spec.num_kv_heads, "num_local_experts": E, "num_experts_per_tok": spec.top_k,
               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "hidden_act": "silu",
-              "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
+              "tie_word_embeddings": False, "torch_dtype": str(dtype).replace("torch.", ""), "bos_token_id": None, "eos_token_id": None,
               "tiered_moe_synthetic": asdict(spec)}
     if spec.latent_size:
         config["moe_latent_size"] = spec.latent_size

@@ -288,7 +288,10 @@ def test_generate_command_with_two_ranks(arch_stores, capsys):
 
     from runtime.cli import main
     store = arch_stores["qwen3_moe"]
-    args = ["generate", "--model", store, "--prompt-ids", "3,17,5,9", "--max-tokens", "12", "--json"]
+    # --device-budget auto: the one process keeps a device (stand-in) tier too, so its bytes compare with the ranks'
+    # (with no budget a machine without a GPU runs one memory: nothing crosses host -> device)
+    args = ["generate", "--model", store, "--prompt-ids", "3,17,5,9", "--max-tokens", "12", "--json", "--device-budget",
+            "auto"]
     assert main(args) == 0
     one = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert main(args + ["--tensor-parallel", "2"]) == 0

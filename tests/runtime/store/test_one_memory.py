@@ -124,3 +124,41 @@ def test_plan_without_a_gpu_adds_up_and_is_what_load_model_makes(tiny_store):
     finally:
         st.close()
     assert "7 of 16 experts" in format_plan_cpu(small)
+
+
+def test_generate_with_no_flag_runs_one_memory_and_device_budget_keeps_the_stand_in(tiny_store):
+    """Without CUDA and with no budget flag, generate runs one memory (--host-budget auto); --device-budget keeps
+    the stand-in device tier for experiments. Same tokens either way."""
+    _, store = tiny_store
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+    def gen(*extra):
+        p = subprocess.run([sys.executable, "-m", "runtime.cli", "generate", "--model", store, "--prompt-ids", "3,1,4",
+                            "--max-tokens", "6", *extra], capture_output=True, text=True, timeout=300, cwd=root)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p
+    one, stand_in = gen(), gen("--device-budget", "auto")
+    assert "experts from host memory 1.000, from disk 0.000" in one.stderr
+    assert "device hit rate" in stand_in.stderr and "CPU memory standing in for HBM" in stand_in.stderr
+    assert one.stdout == stand_in.stdout
+
+
+def test_a_checkpoint_written_layer_by_layer_is_the_same_checkpoint(tmp_path):
+    """build_checkpoint(shard_by_layer=True): one file per layer and the index (transformers' sharded layout),
+    the same tensors as the single file, in the dtype asked."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
+    spec = SyntheticModelSpec(num_layers=2, num_experts=8, hidden_size=32, intermediate_size=32, vocab_size=64, topics=4)
+    build_checkpoint(str(tmp_path / "one"), spec)
+    build_checkpoint(str(tmp_path / "sharded"), spec, dtype=torch.bfloat16, shard_by_layer=True)
+    one = load_file(str(tmp_path / "one" / "model.safetensors"))
+    index = json.load(open(tmp_path / "sharded" / "model.safetensors.index.json"))["weight_map"]
+    assert set(index) == set(one) and len(set(index.values())) == 2          # a file per layer
+    for name, file in index.items():
+        t = load_file(str(tmp_path / "sharded" / file))[name]
+        assert t.dtype == torch.bfloat16 and torch.equal(t, one[name].to(torch.bfloat16)), name
+    assert json.load(open(tmp_path / "sharded" / "config.json"))["torch_dtype"] == "bfloat16"

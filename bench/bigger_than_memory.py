@@ -1,0 +1,239 @@
+"""A model bigger than the memory it is given, on a CPU-only machine (issue 29), our side.
+
+Writes a synthetic Mixtral-format checkpoint layer by layer in bf16 (hidden 1024, 8 layers x 128 experts,
+top-8, moe intermediate 768: 4.6 GB; never whole in memory), converts it to int4 experts (1.3 GB store), then
+decodes at batch 1 in fresh children, interleaved over ``--rounds``, each under a memory limit set with the
+kernel's cgroup memory controller (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; page cache counted) and
+optionally a read-bandwidth limit on the store's disk (v2 ``io.max`` rbps, v1
+``blkio.throttle.read_bps_device``):
+
+- the default (no budget flag: on a machine without a GPU, one memory sized by ``--host-budget auto``), with no
+  limit, under each limit, and under each limit with the disk throttled;
+- ``--device-budget auto``: a device stand-in tier in the same RAM (the CPU default before issue 29), with no
+  limit and under each limit.
+
+Reports decode tok/s (best round), the ratio to the unlimited default, expert uses served from disk, MB read
+per generated token, the read rate during decode, the child's peak RSS and the cgroup's peak usage, and whether
+the kernel killed it. Needs root (it makes cgroups). llama.cpp's mmap under the same limit is not run yet.
+
+Usage: python bench/bigger_than_memory.py [--workdir DIR] [--limits 1536MiB,1GiB] [--throttle-mbps 150]
+       [--rounds 2] [--out bench/results/bigger_than_memory.md]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MiB = 2 ** 20
+
+
+class Cgroup:
+    """A memory (+ read bandwidth) limited cgroup for children: v2 where the unified hierarchy has the memory
+    controller, else v1's memory and blkio hierarchies, made under this process's own cgroups."""
+
+    def __init__(self, name: str, memory: "int | None", read_bps: "int | None", dev: str) -> None:
+        self.dirs, self.memory = [], memory
+        own = {}
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, ctl, path = line.strip().split(":", 2)
+                for c in (ctl.split(",") if ctl else [""]):
+                    own[c] = path
+        root = "/sys/fs/cgroup"
+        v2 = os.path.exists(f"{root}/cgroup.controllers") and "memory" in open(f"{root}/cgroup.controllers").read()
+        if v2:
+            d = f"{root}{own['']}/{name}".replace("//", "/")
+            os.makedirs(d, exist_ok=True)
+            self._write(d, "memory.max", str(memory) if memory else "max")
+            self._write(d, "memory.swap.max", "0", optional=True)
+            if read_bps:
+                self._write(d, "io.max", f"{dev} rbps={read_bps}")
+            self.dirs, self.peak_file, self.v = [d], f"{d}/memory.peak", 2
+        else:
+            m = f"{root}/memory{own.get('memory', '/')}/{name}".replace("//", "/")
+            os.makedirs(m, exist_ok=True)
+            self._write(m, "memory.limit_in_bytes", str(memory) if memory else "-1")
+            self._write(m, "memory.memsw.limit_in_bytes", str(memory) if memory else "-1", optional=True)
+            self._write(m, "memory.max_usage_in_bytes", "0")
+            self.dirs, self.peak_file, self.v = [m], f"{m}/memory.max_usage_in_bytes", 1
+            b = f"{root}/blkio{own.get('blkio', '/')}/{name}".replace("//", "/")
+            os.makedirs(b, exist_ok=True)
+            self._write(b, "blkio.throttle.read_bps_device", f"{dev} {read_bps or 0}")
+            self.dirs.append(b)
+
+    @staticmethod
+    def _write(d: str, name: str, value: str, optional: bool = False) -> None:
+        try:
+            with open(f"{d}/{name}", "w") as f:
+                f.write(value)
+        except OSError:
+            if not optional:
+                raise
+
+    def join(self) -> None:          # in the child, before exec
+        for d in self.dirs:
+            with open(f"{d}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+
+    def reset_peak(self) -> None:
+        if self.v == 1:
+            self._write(self.dirs[0], "memory.max_usage_in_bytes", "0")
+
+    def peak(self) -> "int | None":
+        try:
+            return int(open(self.peak_file).read().split()[0])
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        for d in self.dirs:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def disk_of(path: str) -> str:
+    """major:minor of the whole disk holding ``path`` (a partition's parent) for the throttle files."""
+    st = os.stat(path).st_dev
+    sysdir = os.path.realpath(f"/sys/dev/block/{os.major(st)}:{os.minor(st)}")
+    if os.path.exists(os.path.join(sysdir, "partition")):
+        sysdir = os.path.dirname(sysdir)
+    return open(os.path.join(sysdir, "dev")).read().strip()
+
+
+def run_child(cmd: list, cg: "Cgroup | None") -> dict:
+    """Run cmd (in ``cg``): its summary line, the cgroup's peak and how it ended (the kernel's SIGKILL: 137
+    through the wrapper)."""
+    if cg is not None:
+        cg.reset_peak()
+    t0 = time.time()
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=cg.join if cg is not None else None)
+    out, err = p.communicate()
+    res = {"rc": p.returncode, "seconds": time.time() - t0, "peak_cgroup": cg.peak() if cg is not None else None,
+           "killed": p.returncode in (-9, 137), "err": err[-1500:]}
+    lines = [x for x in out.strip().splitlines() if x.startswith("{")]
+    res["summary"] = json.loads(lines[-1]) if p.returncode == 0 and lines else None
+    return res
+
+
+def rss_wrapper(cmd: list) -> list:
+    """cmd run under a small Python wrapper that prints its peak RSS (ru_maxrss of that child alone) to stderr:
+    the wrapper itself stays outside any accounting that matters (a few MiB, in the same cgroup)."""
+    code = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+            "sys.stderr.write('\\nPEAK_RSS %d\\n' % (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)); "
+            "sys.exit(r.returncode if r.returncode >= 0 else 128 - r.returncode)")
+    return [sys.executable, "-c", code, *cmd]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tiered-moe-bench-btm"))
+    ap.add_argument("--limits", default="1536MiB,1GiB", help="memory limits (cgroup), comma-separated")
+    ap.add_argument("--throttle-mbps", type=float, default=150.0, help="disk read limit of the throttled runs (0: none)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "bigger_than_memory.md"))
+    a = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    import torch
+    from runtime.cli_args import parse_bytes
+    from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
+    from runtime.store import Manifest
+    spec = SyntheticModelSpec(hidden_size=1024, intermediate_size=768, num_layers=8, num_experts=128, top_k=8,
+                              vocab_size=512, num_heads=8, num_kv_heads=2)
+    hf, store = os.path.join(a.workdir, "hf"), os.path.join(a.workdir, "store")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        build_checkpoint(hf, spec, dtype=torch.bfloat16, shard_by_layer=True)
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        shutil.rmtree(store, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "runtime.cli", "convert", "--model", hf, "--out", store, "--quantize",
+                        "int4"], cwd=ROOT, check=True)
+    m = Manifest.read(store)
+    experts = m.num_layers * m.num_experts * m.blob_stride
+    dev = disk_of(store)
+    gen = [sys.executable, "-m", "runtime.cli", "generate", "--model", store, "--max-tokens", str(a.max_tokens),
+           "--json", "--prompt-ids", ",".join(str((61 * i) % 512) for i in range(1, 17))]
+    limits = [parse_bytes(x) for x in a.limits.split(",") if x]
+    stand_in = ("--device-budget auto (device stand-in tier: the CPU default before)", ["--device-budget", "auto"])
+    configs = [("default (one memory, --host-budget auto)", None, None, []), (stand_in[0], None, None, stand_in[1])]
+    for lim in limits:
+        configs.append(("default (one memory, --host-budget auto)", lim, None, []))
+        if a.throttle_mbps:
+            configs.append(("default (one memory, --host-budget auto)", lim, a.throttle_mbps, []))
+        configs.append((stand_in[0], lim, None, stand_in[1]))
+    results = {i: [] for i in range(len(configs))}
+    groups = []
+    try:
+        for r in range(a.rounds):
+            for i, (name, lim, mbps, extra) in enumerate(configs):
+                cg = Cgroup(f"tmbench{i}", lim, int(mbps * 1e6) if mbps else None, dev) if (lim or mbps) else None
+                if cg is not None:
+                    groups.append(cg)
+                res = run_child(rss_wrapper(gen + extra), cg)
+                peak = [int(x.split()[1]) for x in res["err"].splitlines() if x.startswith("PEAK_RSS")]
+                res["peak_rss"] = peak[-1] if peak else None
+                results[i].append(res)
+                print(f"round {r + 1}: {name} limit={lim} throttle={mbps}: rc {res['rc']} "
+                      f"{(res['summary'] or {}).get('decode_tokens_per_s', 0):.1f} tok/s", flush=True)
+    finally:
+        for cg in groups:
+            cg.close()
+    rows, ref = [], None
+    for i, (name, lim, mbps, _) in enumerate(configs):
+        ok = [x for x in results[i] if x["summary"] is not None]
+        if not ok:
+            errs = [x for x in results[i][-1]["err"].strip().splitlines() if x and not x.startswith("PEAK_RSS")]
+            why = "killed by the kernel (out of memory)" if any(x["killed"] for x in results[i]) else \
+                (errs[-1][:240] if errs else "failed")
+            rows.append(f"| {name} | {_lim(lim)} | {_mbps(mbps)} | - | - | - | - | - | - | {why} |")
+            continue
+        best = max(ok, key=lambda x: x["summary"]["decode_tokens_per_s"])
+        s = best["summary"]
+        tps = s["decode_tokens_per_s"]
+        ref = ref or tps
+        need = sum(s["hits"].values()) or 1
+        read = s["bytes"]["disk_to_host"]
+        rate = read / s["seconds"] / 1e6 if s["seconds"] else 0
+        rows.append(f"| {name} | {_lim(lim)} | {_mbps(mbps)} | {tps:.1f} | {tps / ref:.2f}x | "
+                    f"{s['hits']['disk'] / need:.3f} | {read / max(1, s['generated_tokens']) / 1e6:.2f} | {rate:.0f} | "
+                    f"{max(x['peak_rss'] or 0 for x in ok) / MiB:.0f} / "
+                    f"{(max(x['peak_cgroup'] or 0 for x in ok) / MiB) if lim else 0:.0f} | "
+                    f"{sum(x['killed'] for x in results[i])} of {len(results[i])} runs killed |")
+    text = "\n".join([
+        "# A model bigger than the memory it is given (CPU only, our side)",
+        "",
+        f"Command: `python bench/bigger_than_memory.py {' '.join(sys.argv[1:])}` ({os.cpu_count()} cores). Model: "
+        f"synthetic Mixtral-format, hidden 1024, 8 layers x 128 experts, top-8, moe intermediate 768; written in "
+        f"bf16 layer by layer, int4 experts ({m.blob_stride / MiB:.2f} MiB each, {experts / MiB:.0f} MiB in all). One "
+        f"prompt of 16 tokens, {a.max_tokens} generated, batch 1, best of {a.rounds} interleaved rounds. Limits: "
+        f"the cgroup memory controller (page cache counted); throttle: the cgroup's read bandwidth limit on {dev}.",
+        "",
+        "| run | memory limit | disk limit | decode tok/s | vs the default with no limit | expert uses from disk | MB read / token "
+        "| read MB/s (whole run) | peak RSS / cgroup peak MiB | ended |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ])
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+def _lim(lim):
+    return f"{lim / MiB:.0f} MiB" if lim else "none"
+
+
+def _mbps(v):
+    return f"{v:.0f} MB/s" if v else "none"
+
+
+if __name__ == "__main__":
+    main()
