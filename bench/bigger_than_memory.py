@@ -9,6 +9,8 @@ optionally a read-bandwidth limit on the store's disk (v2 ``io.max`` rbps, v1
 
 - the default (no budget flag: on a machine without a GPU, one memory sized by ``--host-budget auto``), with no
   limit, under each limit, and under each limit with the disk throttled;
+- the default with ``--prefetch lookahead`` (layer m+1's predicted experts read from disk while layer m computes),
+  under each limit, with and without the throttle;
 - ``--device-budget auto``: a device stand-in tier in the same RAM (the CPU default before issue 29), with no
   limit and under each limit.
 
@@ -108,6 +110,21 @@ def disk_of(path: str) -> str:
     return open(os.path.join(sysdir, "dev")).read().strip()
 
 
+def evict(paths: list) -> None:
+    """Drop the files' clean pages from the page cache (posix_fadvise DONTNEED): a run then faults its weights in
+    itself, charged to its own cgroup, instead of finding them cached - and charged - elsewhere."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def store_files(store: str) -> list:
+    return [os.path.join(store, f) for f in os.listdir(store) if os.path.isfile(os.path.join(store, f))]
+
+
 def run_child(cmd: list, cg: "Cgroup | None") -> dict:
     """Run cmd (in ``cg``): its summary line, the cgroup's peak and how it ended (the kernel's SIGKILL: 137
     through the wrapper)."""
@@ -118,7 +135,7 @@ def run_child(cmd: list, cg: "Cgroup | None") -> dict:
                          preexec_fn=cg.join if cg is not None else None)
     out, err = p.communicate()
     res = {"rc": p.returncode, "seconds": time.time() - t0, "peak_cgroup": cg.peak() if cg is not None else None,
-           "killed": p.returncode in (-9, 137), "err": err[-1500:]}
+           "killed": p.returncode in (-9, 137), "err": err[-1500:], "out": out}
     lines = [x for x in out.strip().splitlines() if x.startswith("{")]
     res["summary"] = json.loads(lines[-1]) if p.returncode == 0 and lines else None
     return res
@@ -133,7 +150,15 @@ def rss_wrapper(cmd: list) -> list:
     return [sys.executable, "-c", code, *cmd]
 
 
-def main():
+DEFAULT = "default (one memory, --host-budget auto)"
+LOOKAHEAD = ("default + --prefetch lookahead (reads layer m+1's predicted experts while layer m computes)",
+             ["--prefetch", "lookahead"])
+FAST = ("default + --host-act-quant q8 --dense-quant int4 (our best, as llama.cpp's Q4_0 computes)",
+        ["--host-act-quant", "q8", "--dense-quant", "int4"])
+STAND_IN = ("--device-budget auto (device stand-in tier: the CPU default before)", ["--device-budget", "auto"])
+
+
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tiered-moe-bench-btm"))
     ap.add_argument("--limits", default="1536MiB,1GiB", help="memory limits (cgroup), comma-separated")
@@ -141,51 +166,60 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bigger_than_memory.md"))
-    a = ap.parse_args()
-    sys.path.insert(0, ROOT)
+    ap.add_argument("--llama", action="store_true", help="llama.cpp on the same weights under the same limits too")
+    ap.add_argument("--llama-cache", default=os.path.expanduser("~/.cache/tiered-moe/llama.cpp"))
+    return ap.parse_args()
+
+
+def model(workdir: str):
+    """(spec, hf dir, store dir): the checkpoint written layer by layer in bf16 and its int4 store (cached)."""
     import torch
-    from runtime.cli_args import parse_bytes
     from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
-    from runtime.store import Manifest
     spec = SyntheticModelSpec(hidden_size=1024, intermediate_size=768, num_layers=8, num_experts=128, top_k=8,
                               vocab_size=512, num_heads=8, num_kv_heads=2)
-    hf, store = os.path.join(a.workdir, "hf"), os.path.join(a.workdir, "store")
+    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
     if not os.path.exists(os.path.join(hf, "config.json")):
         build_checkpoint(hf, spec, dtype=torch.bfloat16, shard_by_layer=True)
     if not os.path.exists(os.path.join(store, "manifest.json")):
         shutil.rmtree(store, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "runtime.cli", "convert", "--model", hf, "--out", store, "--quantize",
                         "int4"], cwd=ROOT, check=True)
-    m = Manifest.read(store)
-    experts = m.num_layers * m.num_experts * m.blob_stride
-    dev = disk_of(store)
-    gen = [sys.executable, "-m", "runtime.cli", "generate", "--model", store, "--max-tokens", str(a.max_tokens),
-           "--json", "--prompt-ids", ",".join(str((61 * i) % 512) for i in range(1, 17))]
-    limits = [parse_bytes(x) for x in a.limits.split(",") if x]
-    stand_in = ("--device-budget auto (device stand-in tier: the CPU default before)", ["--device-budget", "auto"])
-    configs = [("default (one memory, --host-budget auto)", None, None, []), (stand_in[0], None, None, stand_in[1])]
+    return spec, hf, store
+
+
+def configs_for(limits: list, throttle: float) -> list:
+    """(name, memory limit, disk MB/s, extra flags) of every run, in the order of a round."""
+    out = [(DEFAULT, None, None, []), (FAST[0], None, None, FAST[1]), (STAND_IN[0], None, None, STAND_IN[1])]
     for lim in limits:
-        configs.append(("default (one memory, --host-budget auto)", lim, None, []))
-        if a.throttle_mbps:
-            configs.append(("default (one memory, --host-budget auto)", lim, a.throttle_mbps, []))
-        configs.append((stand_in[0], lim, None, stand_in[1]))
+        out += [(DEFAULT, lim, None, []), (FAST[0], lim, None, FAST[1]), (LOOKAHEAD[0], lim, None, LOOKAHEAD[1])]
+        if throttle:
+            out += [(DEFAULT, lim, throttle, []), (LOOKAHEAD[0], lim, throttle, LOOKAHEAD[1])]
+        out.append((STAND_IN[0], lim, None, STAND_IN[1]))
+    return out
+
+
+def run_rounds(configs: list, gen: list, dev: str, rounds: int, files: list) -> dict:
+    """Every config once per round, interleaved; index -> its results."""
     results = {i: [] for i in range(len(configs))}
-    groups = []
-    try:
-        for r in range(a.rounds):
-            for i, (name, lim, mbps, extra) in enumerate(configs):
-                cg = Cgroup(f"tmbench{i}", lim, int(mbps * 1e6) if mbps else None, dev) if (lim or mbps) else None
-                if cg is not None:
-                    groups.append(cg)
+    for r in range(rounds):
+        for i, (name, lim, mbps, extra) in enumerate(configs):
+            cg = Cgroup(f"tmbench{i}", lim, int(mbps * 1e6) if mbps else None, dev) if (lim or mbps) else None
+            try:
+                evict(files)
                 res = run_child(rss_wrapper(gen + extra), cg)
-                peak = [int(x.split()[1]) for x in res["err"].splitlines() if x.startswith("PEAK_RSS")]
-                res["peak_rss"] = peak[-1] if peak else None
-                results[i].append(res)
-                print(f"round {r + 1}: {name} limit={lim} throttle={mbps}: rc {res['rc']} "
-                      f"{(res['summary'] or {}).get('decode_tokens_per_s', 0):.1f} tok/s", flush=True)
-    finally:
-        for cg in groups:
-            cg.close()
+            finally:
+                if cg is not None:
+                    cg.close()
+            peak = [int(x.split()[1]) for x in res["err"].splitlines() if x.startswith("PEAK_RSS")]
+            res["peak_rss"] = peak[-1] if peak else None
+            results[i].append(res)
+            print(f"round {r + 1}: {name} limit={lim} throttle={mbps}: rc {res['rc']} "
+                  f"{(res['summary'] or {}).get('decode_tokens_per_s', 0):.1f} tok/s", flush=True)
+    return results
+
+
+def our_rows(configs: list, results: dict) -> "tuple[list, float]":
+    """Table rows of our runs (best round each) and the reference tok/s (the first row's)."""
     rows, ref = [], None
     for i, (name, lim, mbps, _) in enumerate(configs):
         ok = [x for x in results[i] if x["summary"] is not None]
@@ -195,20 +229,43 @@ def main():
                 (errs[-1][:240] if errs else "failed")
             rows.append(f"| {name} | {_lim(lim)} | {_mbps(mbps)} | - | - | - | - | - | - | {why} |")
             continue
-        best = max(ok, key=lambda x: x["summary"]["decode_tokens_per_s"])
-        s = best["summary"]
+        s = max(ok, key=lambda x: x["summary"]["decode_tokens_per_s"])["summary"]
         tps = s["decode_tokens_per_s"]
         ref = ref or tps
         need = sum(s["hits"].values()) or 1
         read = s["bytes"]["disk_to_host"]
         rate = read / s["seconds"] / 1e6 if s["seconds"] else 0
-        rows.append(f"| {name} | {_lim(lim)} | {_mbps(mbps)} | {tps:.1f} | {tps / ref:.2f}x | "
+        each = "/".join(f"{x['summary']['decode_tokens_per_s']:.1f}" for x in ok)
+        rows.append(f"| {name} | {_lim(lim)} | {_mbps(mbps)} | {tps:.1f} ({each}) | {tps / ref:.2f}x | "
                     f"{s['hits']['disk'] / need:.3f} | {read / max(1, s['generated_tokens']) / 1e6:.2f} | {rate:.0f} | "
                     f"{max(x['peak_rss'] or 0 for x in ok) / MiB:.0f} / "
                     f"{(max(x['peak_cgroup'] or 0 for x in ok) / MiB) if lim else 0:.0f} | "
                     f"{sum(x['killed'] for x in results[i])} of {len(results[i])} runs killed |")
+    return rows, ref
+
+
+def main():
+    a = parse_args()
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
+    from runtime.cli_args import parse_bytes
+    from runtime.store import Manifest
+    spec, hf, store = model(a.workdir)
+    m = Manifest.read(store)
+    experts = m.num_layers * m.num_experts * m.blob_stride
+    dev = disk_of(store)
+    gen = [sys.executable, "-m", "runtime.cli", "generate", "--model", store, "--max-tokens", str(a.max_tokens),
+           "--json", "--prompt-ids", ",".join(str((61 * i) % 512) for i in range(1, 17))]
+    limits = [parse_bytes(x) for x in a.limits.split(",") if x]
+    configs = configs_for(limits, a.throttle_mbps)
+    rows, ref = our_rows(configs, run_rounds(configs, gen, dev, a.rounds, store_files(store)))
+    if a.llama:
+        try:
+            rows += llama_rows(a, hf, spec.vocab_size, dev, limits, ref)
+        except Exception as e:  # noqa: BLE001 - our rows are kept; the table says why llama.cpp has none
+            rows.append(f"| llama.cpp | - | - | - | - | - | - | - | - | could not run: {str(e).splitlines()[0][:200]} |")
     text = "\n".join([
-        "# A model bigger than the memory it is given (CPU only, our side)",
+        "# A model bigger than the memory it is given (CPU only)",
         "",
         f"Command: `python bench/bigger_than_memory.py {' '.join(sys.argv[1:])}` ({os.cpu_count()} cores). Model: "
         f"synthetic Mixtral-format, hidden 1024, 8 layers x 128 experts, top-8, moe intermediate 768; written in "
@@ -216,8 +273,8 @@ def main():
         f"prompt of 16 tokens, {a.max_tokens} generated, batch 1, best of {a.rounds} interleaved rounds. Limits: "
         f"the cgroup memory controller (page cache counted); throttle: the cgroup's read bandwidth limit on {dev}.",
         "",
-        "| run | memory limit | disk limit | decode tok/s | vs the default with no limit | expert uses from disk | MB read / token "
-        "| read MB/s (whole run) | peak RSS / cgroup peak MiB | ended |",
+        "| run | memory limit | disk limit | decode tok/s best (each round) | vs the default with no limit | expert uses from disk | "
+        "MB read / token | read MB/s (whole run) | peak RSS / cgroup peak MiB | ended |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])
@@ -225,6 +282,47 @@ def main():
     with open(a.out, "w") as f:
         f.write(text + "\n")
     print(text)
+
+
+def llama_rows(a, hf: str, vocab: int, dev: str, limits: list, ref: float) -> list:
+    """llama.cpp on the same weights (stock Q4_0 GGUF through its own converter and quantizer, bench/vs_llama_cpp.py's
+    build from the llama-cpp-python sdist), batch-1 decode of ``--max-tokens`` by llama-bench with 2 threads, with no
+    limit and under each limit (the same cgroups): its default (mmap, CPU repack) and ``--repack 0`` (the weights
+    stay in the page cache, mmap'd). Rows of the results table."""
+    import vs_llama_cpp as V
+    tree, bindir = V.llama_tree(None, a.llama_cache)
+    cfg = json.load(open(os.path.join(hf, "tokenizer_config.json"))) if os.path.exists(
+        os.path.join(hf, "tokenizer_config.json")) else {}
+    if cfg.get("tokenizer_class") != "Qwen2Tokenizer":      # the converter reads a Qwen2-style BPE: give it one
+        V.build_tokenizer(hf, vocab)
+    gguf = V.ggufs(tree, bindir, hf, a.workdir, "btm", ["int4"])["int4"]
+    size = os.path.getsize(gguf)
+    rows = []
+    for lim in [None] + limits:
+        for name, extra in (("llama.cpp default (mmap + CPU repack)", []), ("llama.cpp --repack 0 (mmap only)",
+                                                                           ["--repack", "0"])):
+            cg = Cgroup("tmllama", lim, None, dev) if lim else None
+            try:
+                evict([gguf])
+                res = run_child(rss_wrapper([os.path.join(bindir, "llama-bench"), "-m", gguf, "-p", "0", "-n",
+                                             str(a.max_tokens), "-t", "2", "-r", "2", "-o", "json", *extra]), cg)
+            finally:
+                if cg is not None:
+                    cg.close()
+            peak = [int(x.split()[1]) for x in res["err"].splitlines() if x.startswith("PEAK_RSS")]
+            if res["rc"] != 0:
+                errs = [x for x in res["err"].strip().splitlines() if x and not x.startswith("PEAK_RSS")]
+                why = "killed by the kernel (out of memory)" if res["killed"] else (errs[-1][:200] if errs else "failed")
+                rows.append(f"| {name} ({size / MiB:.0f} MiB Q4_0 GGUF) | {_lim(lim)} | none | - | - | - | - | - | - | "
+                            f"{why} |")
+                continue
+            got = [r for r in json.loads(res["out"]) if r.get("n_gen") == a.max_tokens]
+            tps = float(got[0]["avg_ts"]) if got else 0.0
+            rows.append(f"| {name} ({size / MiB:.0f} MiB Q4_0 GGUF) | {_lim(lim)} | none | {tps:.1f} | {tps / ref:.2f}x "
+                        f"| - | - | - | "
+                        f"{(peak[-1] if peak else 0) / MiB:.0f} / {(res['peak_cgroup'] or 0) / MiB:.0f} | ran |")
+            print(rows[-1], flush=True)
+    return rows
 
 
 def _lim(lim):

@@ -305,8 +305,10 @@ def _plan(sub, commands: dict) -> None:
     pl.add_argument("--model", required=True, help="store directory written by 'tiered-moe convert'")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs to plan for (tensor-parallel x pipeline stages); 0: "
                                                            "this machine's CPU, one memory (--host-budget auto)")
-    pl.add_argument("--host-memory", default=None, help="with --gpus 0: the memory to plan for (default: what this "
-                                                        "machine has available, a cgroup limit included)")
+    pl.add_argument("--host-memory", default=None, help="with --gpus 0: the memory to plan for, beyond what the "
+                                                        "runtime itself takes (Python and torch, ~0.4 GB) (default: "
+                                                        "what this machine has available now, a cgroup limit "
+                                                        "included)")
     pl.add_argument("--context", type=int, required=True, help="tokens of context per sequence")
     pl.add_argument("--batch", type=int, required=True, help="sequences at once")
     pl.add_argument("--profile", default="h200", help="hardware profile with a multi_gpu section (default h200)")

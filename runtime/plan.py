@@ -39,6 +39,7 @@ from .model.moe import dense_tensors
 from .parallel.shard import Shard, allreduces_per_layer, plan, rank_manifest, shard_dense, stage_layers
 from .quant import cost_dtype, get_format
 from .store import Manifest
+from .store.host_tier import disk_read_rate
 from .store.layout import _align
 
 TRACE_NAME = "routing-trace.npz"
@@ -244,11 +245,14 @@ def _trace_for(store_dir: str, cfg, m, trace) -> tuple:
     return tr, src
 
 
-def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" = None) -> dict:
+def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" = None,
+             probe_disk: bool = True) -> dict:
     """A machine without a GPU (``--gpus 0``): one memory. What ``--host-budget auto`` gives the experts
     (load_model's own sum, footprint.host_budget_auto): the memory available (``memory``, else this
     machine's: MemAvailable or a cgroup limit's room) less the dense weights in the compute dtype, the KV
-    cache of ``context`` x ``batch`` and the margin; how many experts that holds and the share left on disk."""
+    cache of ``context`` x ``batch`` and the margin; how many experts that holds and the share left on disk;
+    where some stay on disk, the rate the store's files read at as the store reads them (``probe_disk``:
+    host_tier.disk_read_rate, about a second) and so the most tokens/s a given MB read per token allows."""
     if context < 1 or batch < 1:
         raise ValueError("--context and --batch must be positive")
     cfg, m = MoEConfig.from_hf(store_dir), Manifest.read(store_dir)
@@ -259,11 +263,13 @@ def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" =
     budget = host_budget_auto(avail, dense, cache)
     total = m.num_layers * m.num_experts
     slots = max(0, min(budget // m.blob_stride, total))
+    rate, mode = disk_read_rate(store_dir, m) if probe_disk and slots < total else (None, None)
     return {"model": cfg.model_type, "source": store_dir, "memory": avail, "memory_source": src,
             "dense": dense, "dense_dtype": str(dtype).replace("torch.", ""), "cache": cache, "context": context,
             "batch": batch, "margin": host_margin(avail), "host_budget": max(0, budget),
             "expert_bytes": m.blob_stride, "experts_total": total, "experts_in_memory": int(slots),
-            "on_disk_share": 1 - slots / total, "runs": slots >= cfg.top_k}
+            "on_disk_share": 1 - slots / total, "runs": slots >= cfg.top_k, "disk_read_Bps": rate,
+            "disk_read_mode": mode}
 
 
 def format_plan_cpu(p: dict) -> str:
@@ -277,6 +283,10 @@ def format_plan_cpu(p: dict) -> str:
              f"= experts          {p['host_budget'] / mib:>10,.0f} MiB  (--host-budget auto): {p['experts_in_memory']:,} "
              f"of {p['experts_total']:,} experts of {p['expert_bytes'] / mib:.2f} MiB in memory, "
              f"{p['on_disk_share']:.0%} read from disk when needed"]
+    if p.get("disk_read_Bps"):
+        r = p["disk_read_Bps"]
+        lines.append(f"disk read rate     {r / 1e6:>10,.0f} MB/s ({p['disk_read_mode']}, whole experts, 4 threads): "
+                     f"each MB read per token caps decode at {r / 1e6:,.0f} tok/s")
     if not p["runs"]:
         lines.append("cannot run: the memory left does not hold one layer's top-k experts")
     return "\n".join(lines)

@@ -220,13 +220,21 @@ class Engine:
         if m in self._pred:
             ctl.learn(self._pred.pop(m), used)
         nxt = m + 1
-        if (nxt >= self.model.cfg.num_moe_layers or nxt < store.cpu_experts.layers or nxt in self._known
+        on_host = nxt < self.model.cfg.num_moe_layers and store.compute_on_host(nxt)
+        if (nxt >= self.model.cfg.num_moe_layers or (on_host and store.host_holds_all) or nxt in self._known
                 or not store.holds(nxt)):
             return                  # (a hash-routed layer's experts were moved exactly at the step's start; another
-            #                          pipeline stage predicts its own first layer from its own routing)
+            #                          pipeline stage predicts its own first layer from its own routing; a layer
+            #                          computed from a host tier that holds every expert has nothing to read)
         ctl.observe(m, used, None, self._step_no)
         pred = self._pred[nxt] = ctl.predict(nxt, used, hidden=x)
-        pred = ctl.select(pred, store.last_idle_link_s, set(store.resident(nxt)), store.displaced_reuse(nxt))
+        if on_host:
+            # computed from host memory (one memory on a CPU, --cpu-experts N): the predicted experts the host tier
+            # lacks are read from disk now, while layer m computes - a read never crosses a link to a device
+            have = set(store.resident(nxt, "host"))
+            pred = [e for e in pred if e not in have]
+        else:
+            pred = ctl.select(pred, store.last_idle_link_s, set(store.resident(nxt)), store.displaced_reuse(nxt))
         if pred:
             store.prefetch(nxt, pred, self._step_no, protect=used)
 

@@ -271,7 +271,8 @@ class ExpertStore:
             return 0
         E = self.m.num_experts
         keys = [layer * E + int(e) for e in experts]
-        d = self.placement.prefetch_detail(layer, keys, t, set(protect or ()))
+        # protect names experts of the layer computing now, layer - 1: as keys (its pools are keyed layer * E + e)
+        d = self.placement.prefetch_detail(layer, keys, t, {(layer - 1) * E + int(e) for e in protect or ()})
         started = self.carry_out(d, self.prefetch_pool)
         disk = set(d.from_disk)    # a half-read host slot must not be dropped: only host->device copies are cancelled
         self._prefetching.update({k: f for k, f in started.items() if k not in disk})
@@ -335,11 +336,14 @@ class ExpertStore:
         """Wall time the model spent computing experts on the host (hybrid execution)."""
         self.stats.host_compute_seconds += seconds
 
-    def resident(self, layer: int) -> list:
-        """Experts of ``layer`` holding a device slot now (loaded or loading)."""
+    def resident(self, layer: int, tier: str = "device") -> list:
+        """Experts of ``layer`` holding a slot of ``tier`` (device or host) now (loaded or loading)."""
         E = self.m.num_experts
         lo = layer * E
-        return [k - lo for k in self.dev.slot_of if lo <= k < lo + E]
+        if tier == "host" and self._host_holds_all:
+            return list(range(E))
+        slots = self.dev.slot_of if tier == "device" else self.host.slot_of
+        return [k - lo for k in slots if lo <= k < lo + E]
 
     def resident_bytes(self) -> dict:
         return {"device": (self.dev.data.shape[0] - len(self.dev.free)) * self.m.blob_stride,

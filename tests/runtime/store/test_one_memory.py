@@ -42,6 +42,25 @@ def test_host_budget_alone_is_the_one_budget(tiny_store):
     assert st.host.data.numel() <= budget                           # the host slab is the budget, no more
 
 
+def test_lookahead_reads_ahead_into_host_memory(tiny_store):
+    """One memory with --prefetch lookahead: layer m + 1's predicted experts the host tier lacks are read from
+    disk while layer m computes (into host slots: nothing crosses to a device), and the tokens do not change."""
+    _, store = tiny_store
+    m = Manifest.read(store)
+    want, _, _ = run(store)
+    model, st = load_model(store, device="cpu", max_batch=len(PROMPTS), host_budget=6 * m.blob_stride)
+    try:
+        eng = Engine(model, st, max_batch=len(PROMPTS), prefill_chunk=8, prefetch="lookahead")
+        ids = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS]
+        eng.run()
+        assert [eng.done[i].output for i in ids] == want
+        summ = eng.summary()
+        assert st.stats.prefetch_loaded > 0 and summ["bytes"]["host_to_device"] == 0
+        assert not st.placement.device[0].resident                         # the device tier stayed empty
+    finally:
+        st.close()
+
+
 def test_a_step_of_more_experts_than_top_k_runs(tiny_store):
     """The device tier keeps only top-k slots in one memory: a batch whose layer needs more experts than that
     runs (the host tier is where they compute), up to what the host tier holds."""
@@ -124,6 +143,10 @@ def test_plan_without_a_gpu_adds_up_and_is_what_load_model_makes(tiny_store):
     finally:
         st.close()
     assert "7 of 16 experts" in format_plan_cpu(small)
+    # some experts stay on disk: the plan measured how fast the store's files read (whole experts, O_DIRECT)
+    assert small["disk_read_Bps"] > 0 and small["disk_read_mode"] in ("O_DIRECT", "buffered")
+    assert "MB read per token caps decode at" in format_plan_cpu(small)
+    assert p["disk_read_Bps"] is None or p["experts_in_memory"] < 16       # all in memory: nothing to probe
 
 
 def test_generate_with_no_flag_runs_one_memory_and_device_budget_keeps_the_stand_in(tiny_store):

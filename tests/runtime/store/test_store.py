@@ -101,6 +101,13 @@ def test_prefetch_makes_hits_and_never_evicts_the_current_layer(store_dir):
         f.wait()
         assert st.stats.hits["device"] == 2
         assert torch.equal(logical(f.tensors(5))["gate"], expert_tensors(1, 5)["gate"])
+    # protect names the computing layer's experts (layer - 1 of the prefetched one), whatever layer that is
+    with ExpertStore(store_dir, device_budget=4 * s, scope="global", min_experts_per_layer=2) as st:
+        E = st.m.num_experts
+        st.request(0, [3, 4], 0).wait()
+        st.request(1, [0, 1], 0).wait()
+        assert st.prefetch(2, [5, 6, 7], 1, protect=[0, 1]) == 2     # layer 0's two make room, layer 1's stay
+        assert {E + 0, E + 1} <= st.placement.device[1].resident
 
 
 def test_corrupt_blob_names_layer_and_expert(store_dir):
@@ -229,3 +236,34 @@ def test_prefetches_not_started_when_their_layer_runs_are_cancelled(store_dir):
         gate.set()
         got = logical(f.tensors(3))
         assert torch.equal(got["gate"], expert_tensors(2, 3)["gate"])
+
+
+def test_an_expert_is_checked_the_first_time_it_is_read(store_dir, monkeypatch):
+    """DiskTier checks an expert's crc32 the first time this process reads it; rereads (a store bigger than memory
+    reads its misses again and again) skip it. A read that failed its check is checked again next time."""
+    from runtime.store import host_tier
+    m = Manifest.read(store_dir)
+    calls = []
+    real = host_tier.zlib.crc32
+    monkeypatch.setattr(host_tier.zlib, "crc32", lambda b: calls.append(1) or real(b))
+    disk = host_tier.DiskTier(store_dir, m)
+    try:
+        buf = np.zeros(m.blob_stride, dtype=np.uint8)
+        if disk.mode == "O_DIRECT":                      # O_DIRECT wants an aligned buffer: a slot of a real slab
+            buf = host_tier.Slab(1, m.blob_stride, "cpu", pin=False).data[0].numpy()
+        disk.read_into(1, 3, buf)
+        disk.read_into(1, 3, buf)
+        disk.read_into(1, 4, buf)
+        assert len(calls) == 2
+        path = os.path.join(store_dir, m.layer_file(1))
+        with open(path, "r+b") as f:                     # corrupt expert 5: its check fails, every time
+            f.seek(5 * m.blob_stride + 7)
+            b = f.read(1)
+            f.seek(5 * m.blob_stride + 7)
+            f.write(bytes([b[0] ^ 0xFF]))
+        for _ in range(2):
+            with pytest.raises(ChecksumError, match="layer 1 expert 5"):
+                disk.read_into(1, 5, buf)
+        assert len(calls) == 4
+    finally:
+        disk.close()
