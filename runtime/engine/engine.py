@@ -21,6 +21,7 @@ from cache_policy.prefetch import LIVE_PREFETCHERS, PrefetchController
 from cache_policy.replay import PREFETCH_RULES
 from cache_policy.traces import Trace
 
+from ..model.footprint import default_cache_tokens
 from ..model.layers.cache import Sequence
 from ..model.layers.context import StepHooks
 from ..quant import cost_dtype
@@ -92,7 +93,7 @@ class Engine:
         self.prefix_snapshots = (0 if not (prefix_caching and per_seq) else
                                  max_active if prefix_snapshots is None else prefix_snapshots)
         if model.kv is None:
-            tokens = max(max_batch * min(self.max_context, 1024), min(self.max_context, 8192))
+            tokens = default_cache_tokens(self.max_context, max_batch)
             # Linear-attention layers: a fixed state slot per running sequence comes out of the same budget.
             model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token()
                           + (max_active + self.prefix_snapshots) * per_seq, max_seqs=max_active,

@@ -8,8 +8,8 @@ from ..store.slices import rank_manifest
 from .config import SUPPORTED, MoEConfig
 from .convert import load_dense
 from .dense_slices import shard_dense
-from .footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes as _dense_bytes, device_memory,
-                        host_budget_auto, host_memory_available, stage_tensors)
+from .footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, default_cache_tokens, dense_bytes as _dense_bytes,
+                        device_memory, host_budget_auto, host_memory_available, stage_tensors)
 from .moe import MoEModel, Sequence, StepHooks, kv_bytes_per_token, route, state_bytes_per_sequence
 
 
@@ -137,10 +137,9 @@ def _one_memory(cfg, m, dense: dict, dtype, host_budget, kv_cache_bytes: int, ma
         avail, src = host_memory_available()
         loaded = sum(t.numel() * t.element_size() for t in dense.values())       # held now, as stored
         grow = max(0, _dense_bytes(dense.values(), dtype) - loaded)              # widened to the compute dtype
-        # the cache the engine will make (runtime/engine/engine.py): max_batch sequences of 1024 tokens, at least
-        # one whole context up to 8192; state slots for max_active (4 x max_batch) sequences and as many snapshots
-        ctx = cfg.max_position_embeddings
-        tokens = max(max_batch * min(ctx, 1024), min(ctx, 8192))
+        # the cache the engine will make: its default token slots; state slots for max_active (4 x max_batch)
+        # sequences and as many snapshots
+        tokens = default_cache_tokens(cfg.max_position_embeddings, max_batch)
         kv = kv_cache_bytes or int(tokens * kv_bytes_per_token(cfg, dtype)
                                    + 8 * max_batch * state_bytes_per_sequence(cfg, dtype))
         host_budget = host_budget_auto(avail, grow, kv)

@@ -64,6 +64,12 @@ def host_memory_available(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -
     return avail, src
 
 
+def default_cache_tokens(context: int, max_batch: int) -> int:
+    """Token slots of the KV cache the engine makes when no budget is given (runtime/engine/engine.py):
+    ``max_batch`` sequences of 1024 tokens, and at least one whole context up to 8192."""
+    return max(max_batch * min(context, 1024), min(context, 8192))
+
+
 def host_margin(avail: int) -> int:
     """The margin --host-budget auto leaves: HOST_MARGIN_BYTES + HOST_MARGIN_SHARE of what is available."""
     return HOST_MARGIN_BYTES + int(HOST_MARGIN_SHARE * avail)

@@ -36,10 +36,10 @@ class Mover:
         self.copy_stream = torch.cuda.Stream(device=device) if cuda else None
 
     def read_host(self, key: int) -> None:
-        """Runs on a worker thread: disk -> host slot, for an expert computed on the host from that slot."""
+        """Runs on a worker thread: disk -> host slot (an expert computed there, or on its way to the device)."""
         try:
             self.host.read(key)
-        except ChecksumError:   # a transient bad read: once more, as ``move`` does
+        except ChecksumError:   # a transient bad read (or a page cache hiccup): read it once more
             self.stats.reread += 1
             self.host.read(key)
 
@@ -50,11 +50,7 @@ class Mover:
         host = self.host
         hslot = host.slab.slot_of[key]
         if from_disk:                       # (never under tensor parallelism: the host tier holds every expert)
-            try:
-                host.read(key)
-            except ChecksumError:   # a transient bad read (or a page cache hiccup): read it once more
-                self.stats.reread += 1
-                host.read(key)
+            self.read_host(key)
         dst = self.dev.data[self.dev.slot_of[key]]
         if self.copy_stream is not None:
             if after is not None:
