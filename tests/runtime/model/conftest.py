@@ -283,6 +283,28 @@ RELEASED_LAYOUT = {"kimi_k25": _kimi_k25, "qwen3_vl_moe": _qwen3_vl_moe}
 LINEAR_ATTENTION_MODULES = ("kimi_linear", "qwen3_next", "qwen3_5_moe")
 
 
+def _hub_fallback(obj):
+    """transformers' `use_kernel_func_from_hub_with_fallback` wrapper behind a module-level name, or None.
+
+    Without the `kernels` package the name is that wrapper itself (a function from hub_kernels.py whose
+    __wrapped__ is the torch path); with it (transformers >= 5.25 requires it) the name is an instance of
+    kernels' `Func` module whose forward calls the wrapper it closes over."""
+    def is_wrapper(fn):
+        code = getattr(fn, "__code__", None)
+        return code is not None and code.co_filename.endswith("hub_kernels.py") and hasattr(fn, "__wrapped__")
+    if is_wrapper(obj):
+        return obj
+    forward = getattr(type(obj), "forward", None) if isinstance(obj, torch.nn.Module) else None
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:                      # an empty cell
+            continue
+        if is_wrapper(inner):
+            return inner
+    return None
+
+
 @pytest.fixture(scope="session", autouse=True)
 def torch_fallbacks():
     import importlib
@@ -294,10 +316,10 @@ def torch_fallbacks():
             except ImportError:
                 continue                    # no transformers (or too old): the tests that need it fail themselves
             n = 0
-            for name, fn in list(vars(mod).items()):
-                code = getattr(fn, "__code__", None)
-                if code is not None and code.co_filename.endswith("hub_kernels.py") and hasattr(fn, "__wrapped__"):
-                    mp.setattr(mod, name, inspect.unwrap(fn))   # use_kernel_func_from_hub_with_fallback's torch function
+            for name, obj in list(vars(mod).items()):
+                wrapper = _hub_fallback(obj)
+                if wrapper is not None:
+                    mp.setattr(mod, name, inspect.unwrap(wrapper))   # the torch function under the fallback wrapper
                     n += 1
             assert n >= 4, f"{mod.__name__}: transformers' kernel fallbacks moved; force its torch path anew"
         yield
