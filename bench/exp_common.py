@@ -132,3 +132,13 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3f}" if abs(x) < 1000 else f"{x:,.0f}"
     return str(x)
+
+
+def write_markdown(out: str, lines: list) -> str:
+    """A results file: ``lines`` joined, written to ``out`` (its folder made) and printed; the text."""
+    text = "\n".join(lines)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return text

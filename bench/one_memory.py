@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from memory import peak_rss  # noqa: E402
+from exp_common import write_markdown  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -70,7 +71,7 @@ def main():
                     f"{summ['bytes']['disk_to_host'] / max(1, summ['generated_tokens']) / 1e6:.2f} | "
                     f"{max(r for _, r in got) / MiB:.0f} |")
     cmd = "python bench/one_memory.py " + " ".join(sys.argv[1:])
-    text = "\n".join([
+    write_markdown(a.out, [
         "# One memory on a CPU-only machine: `--host-budget` alone",
         "",
         f"Command: `{cmd}` (this machine: {os.cpu_count()} cores). Model: synthetic Mixtral-format, hidden 1024, "
@@ -85,10 +86,6 @@ def main():
         "host-memory slot and none is copied into a second (device stand-in) slab; `--device-budget` keeps that",
         "stand-in tier, which holds the experts twice.",
     ])
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        f.write(text + "\n")
-    print(text)
 
 
 if __name__ == "__main__":

@@ -121,10 +121,11 @@ def _add_hybrid_args(p, live: bool = True) -> None:
                    help=f"{' or '.join(PREFETCH_RULES)}; cost (default): prefetch an expert only when p(needed) x time saved exceeds the link time it "
                         "takes from demand loads; always: every prediction up to the budget")
     if live:
-        p.add_argument("--host-act-quant", default="none", choices=["none", "q8"],
-                       help="quantized (mxfp4, int4, int8) experts and --dense-quant weights computed on the CPU: none "
-                            "(default) = float32 activations, exact to float32 rounding; q8 = activations rounded to 8 "
-                            "bits per 32 values and integer dot products, as llama.cpp does (faster, ~1%% output error)")
+        p.add_argument("--host-act-quant", default="q8", choices=["none", "q8"],
+                       help="quantized (mxfp4, int4, int8) experts and --dense-quant weights computed on the CPU: q8 "
+                            "(default, as llama.cpp's default) = activations rounded to 8 bits per 32 values and "
+                            "integer dot products (~1%% output error); none = float32 activations, exact to float32 "
+                            "rounding (slower). Float (bf16, fp16, fp32) experts are not affected")
         p.add_argument("--dense-quant", default="none", choices=["none", "int8", "int4"],
                        help="non-expert projections (attention, dense MLPs, shared experts, the head) quantized at load "
                             "for the CPU kernels: int8 (group 32, as llama.cpp's Q8_0) or int4 (group 32; the head "
@@ -309,6 +310,8 @@ def _plan(sub, commands: dict) -> None:
                                                         "runtime itself takes (Python and torch, ~0.4 GB) (default: "
                                                         "what this machine has available now, a cgroup limit "
                                                         "included)")
+    pl.add_argument("--dense-quant", default="none", choices=["none", "int8", "int4"],
+                    help="with --gpus 0: the dense weights counted as generate --dense-quant keeps them")
     pl.add_argument("--context", type=int, required=True, help="tokens of context per sequence")
     pl.add_argument("--batch", type=int, required=True, help="sequences at once")
     pl.add_argument("--profile", default="h200", help="hardware profile with a multi_gpu section (default h200)")

@@ -117,7 +117,8 @@ def run_regimes_on_model(a, batches: list, configs: list) -> int:
 
 def cmd_plan(a) -> int:
     if a.gpus == 0:             # a machine without a GPU: one memory (runtime/plan.py plan_cpu)
-        p = plan_cpu(a.model, context=a.context, batch=a.batch, memory=parse_budget(a.host_memory, "--host-memory"))
+        p = plan_cpu(a.model, context=a.context, batch=a.batch, memory=parse_budget(a.host_memory, "--host-memory"),
+                     dense_quant=a.dense_quant)
         print(json.dumps(p, indent=1) if a.json else format_plan_cpu(p))
         return 0
     p = plan_layouts(a.model, gpus=a.gpus, context=a.context, batch=a.batch, profile=a.profile,
@@ -162,7 +163,7 @@ def _runtime_config(a, max_active="args"):
                              cpu_experts=a.cpu_experts, prefetch_rule=a.prefetch_rule,
                              prefix_caching=not getattr(a, "no_prefix_caching", False),
                              prefix_snapshots=getattr(a, "prefix_snapshots", None),
-                             profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "none"),
+                             profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "q8"),
                              dense_quant=getattr(a, "dense_quant", "none"),
                              tensor_parallel=getattr(a, "tensor_parallel", 1),
                              pipeline_parallel=getattr(a, "pipeline_parallel", 1))

@@ -33,8 +33,8 @@ from .model.config import MoEConfig
 from .model.convert import ShippedQuant
 # What a model takes on a device: load_model splits a budget by the same sums (importable from here as before).
 from .model import compute_dtype_for
-from .model.footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes, device_memory,  # noqa: F401
-                              host_budget_auto, host_margin, host_memory_available, stage_tensors)
+from .model.footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes, dense_kept_bytes,  # noqa: F401
+                              device_memory, host_budget_auto, host_margin, host_memory_available, stage_tensors)
 from .model.moe import dense_tensors
 from .parallel.shard import Shard, allreduces_per_layer, plan, rank_manifest, shard_dense, stage_layers
 from .quant import cost_dtype, get_format
@@ -246,10 +246,11 @@ def _trace_for(store_dir: str, cfg, m, trace) -> tuple:
 
 
 def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" = None,
-             probe_disk: bool = True) -> dict:
+             probe_disk: bool = True, dense_quant: str = "none") -> dict:
     """A machine without a GPU (``--gpus 0``): one memory. What ``--host-budget auto`` gives the experts
     (load_model's own sum, footprint.host_budget_auto): the memory available (``memory``, else this
-    machine's: MemAvailable or a cgroup limit's room) less the dense weights in the compute dtype, the KV
+    machine's: MemAvailable or a cgroup limit's room) less the dense weights as kept (footprint.dense_kept_bytes:
+    bf16 as stored, or ``dense_quant``'s codes), the KV
     cache of ``context`` x ``batch`` and the margin; how many experts that holds and the share left on disk;
     where some stay on disk, the rate the store's files read at as the store reads them (``probe_disk``:
     host_tier.disk_read_rate, about a second) and so the most tokens/s a given MB read per token allows."""
@@ -258,14 +259,14 @@ def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" =
     cfg, m = MoEConfig.from_hf(store_dir), Manifest.read(store_dir)
     shapes = dense_shapes(store_dir)
     dtype = compute_dtype_for(shapes["model.embed_tokens.weight"].dtype, "cpu")
-    dense, cache = dense_bytes(shapes.values(), dtype), cache_bytes(cfg, dtype, context, batch)
+    dense, cache = dense_kept_bytes(shapes, dtype, dense_quant), cache_bytes(cfg, dtype, context, batch)
     avail, src = (int(memory), "--host-memory") if memory is not None else host_memory_available()
     budget = host_budget_auto(avail, dense, cache)
     total = m.num_layers * m.num_experts
     slots = max(0, min(budget // m.blob_stride, total))
     rate, mode = disk_read_rate(store_dir, m) if probe_disk and slots < total else (None, None)
     return {"model": cfg.model_type, "source": store_dir, "memory": avail, "memory_source": src,
-            "dense": dense, "dense_dtype": str(dtype).replace("torch.", ""), "cache": cache, "context": context,
+            "dense": dense, "dense_dtype": str(dtype).replace("torch.", ""), "dense_quant": dense_quant, "cache": cache, "context": context,
             "batch": batch, "margin": host_margin(avail), "host_budget": max(0, budget),
             "expert_bytes": m.blob_stride, "experts_total": total, "experts_in_memory": int(slots),
             "on_disk_share": 1 - slots / total, "runs": slots >= cfg.top_k, "disk_read_Bps": rate,
@@ -277,7 +278,8 @@ def format_plan_cpu(p: dict) -> str:
     lines = [f"plan: {p['model']} ({p['source']}) on this machine's CPU (no GPU: one memory), context "
              f"{p['context']:,} x batch {p['batch']}",
              f"memory available   {p['memory'] / mib:>10,.0f} MiB  ({p['memory_source']})",
-             f"- dense weights    {p['dense'] / mib:>10,.0f} MiB  ({p['dense_dtype']}; --dense-quant int8 / int4 keeps less)",
+             (f"- dense weights    {p['dense'] / mib:>10,.0f} MiB  (as kept: --dense-quant {p['dense_quant']}, other "
+              f"tensors {p['dense_dtype']})"),
              f"- KV cache + state {p['cache'] / mib:>10,.0f} MiB",
              f"- margin           {p['margin'] / mib:>10,.0f} MiB  (256 MiB + 10% of what is available)",
              f"= experts          {p['host_budget'] / mib:>10,.0f} MiB  (--host-budget auto): {p['experts_in_memory']:,} "

@@ -355,10 +355,13 @@ class Engine:
         need = sum(hits.values())
         ttft = [r.first_token_time - r.arrival for r in self.done.values() if r.first_token_time]
         snap = self.store.snapshot()
+        decode = [s for s in steps if s.tokens == s.batch]      # steps of one token per sequence (no prefill)
+        decode_secs = sum(s.seconds for s in decode)
         return {"steps": len(steps), "generated_tokens": gen, "seconds": secs,
                 "tokens_per_s": gen / secs if secs else 0.0,
-                "decode_tokens_per_s": (sum(s.batch for s in steps if s.tokens == s.batch) /
-                                        max(1e-9, sum(s.seconds for s in steps if s.tokens == s.batch))),
+                "decode_tokens_per_s": sum(s.batch for s in decode) / max(1e-9, decode_secs),
+                # the decode steps alone: how fast the disk was read while tokens were generated
+                "decode_seconds": decode_secs, "decode_bytes": {k: sum(s.bytes[k] for s in decode) for k in LINKS},
                 "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
                 "hits": hits, "hit_rate_device": hits["device"] / need if need else None,
                 "bytes": {k: sum(s.bytes[k] for s in steps) for k in LINKS},

@@ -9,7 +9,7 @@ from .config import SUPPORTED, MoEConfig
 from .convert import load_dense
 from .dense_slices import shard_dense
 from .footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, default_cache_tokens, dense_bytes as _dense_bytes,
-                        device_memory, host_budget_auto, host_memory_available, stage_tensors)
+                        dense_kept_bytes, device_memory, host_budget_auto, host_memory_available, stage_tensors)
 from .moe import MoEModel, Sequence, StepHooks, kv_bytes_per_token, route, state_bytes_per_sequence
 
 
@@ -86,7 +86,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     if torch.device(on).type == "cpu" and rank is None and device_budget is None and expert_budget is None \
             and host_budget is not None:
         host_budget, cpu_experts, expert_budget = _one_memory(cfg, m, dense, dtype, host_budget, kv_cache_bytes,
-                                                              max_batch)
+                                                              max_batch, dense_quant)
     elif host_budget == "auto":
         raise ValueError("--host-budget auto sizes the one memory of a machine without a GPU (no --device-budget); "
                          "with a device tier give the host budget in bytes")
@@ -124,19 +124,21 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                     host_act_quant=host_act_quant, dense_quant=dense_quant, tp=rank), store
 
 
-def _one_memory(cfg, m, dense: dict, dtype, host_budget, kv_cache_bytes: int, max_batch: int) -> tuple:
+def _one_memory(cfg, m, dense: dict, dtype, host_budget, kv_cache_bytes: int, max_batch: int,
+                dense_quant: str = "none") -> tuple:
     """A machine without a GPU given only a host budget: one memory. A "device" tier would be a second copy of
     the experts in the same RAM, so the host budget is all the experts get - every expert computes from its
     host-tier slot (cpu_experts = every MoE layer; llama.cpp's --n-cpu-moe over all of them) and the device
     tier keeps the minimum its checks ask (one layer's top-k slots, never filled). ``auto``: the memory
-    available (host_memory_available: MemAvailable, or a cgroup limit's room) less the dense weights still to
-    be made, the KV cache and a margin (footprint.host_budget_auto). -> (host_budget, cpu_experts,
+    available (host_memory_available: MemAvailable, or a cgroup limit's room) less what the dense weights will
+    grow by (counted at the size they are kept: bf16, --dense-quant's codes; footprint.dense_kept_bytes), the KV
+    cache and a margin (footprint.host_budget_auto). -> (host_budget, cpu_experts,
     expert_budget)."""
     stride = m.blob_stride
     if host_budget == "auto":
         avail, src = host_memory_available()
         loaded = sum(t.numel() * t.element_size() for t in dense.values())       # held now, as stored
-        grow = max(0, _dense_bytes(dense.values(), dtype) - loaded)              # widened to the compute dtype
+        grow = max(0, dense_kept_bytes(dense, dtype, dense_quant) - loaded)     # as the model will keep them
         # the cache the engine will make: its default token slots; state slots for max_active (4 x max_batch)
         # sequences and as many snapshots
         tokens = default_cache_tokens(cfg.max_position_embeddings, max_batch)

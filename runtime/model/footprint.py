@@ -87,6 +87,37 @@ def dense_bytes(tensors, dtype) -> int:
     return int(sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in tensors))
 
 
+# --dense-quant name -> bytes per weight of the codes and their scales (group 32: int8 + a float16 scale, int4 + a
+# bf16 scale; layers/dense.py's _QUANT_FORMATS)
+_DENSE_QUANT_BYTES = {"int8": 1 + 2 / 32, "int4": 0.5 + 2 / 32}
+
+
+def dense_kept_bytes(named: dict, dtype, quant: str = "none", host_kernels: "bool | None" = None) -> int:
+    """Bytes of the dense weights as a CPU model keeps them (layers/dense.py's ``Linear`` rules), for the one
+    memory's budget: a projection (a 2-D floating ``*.weight`` other than the embeddings whose input size is a
+    multiple of 32) is held as ``--dense-quant`` codes + scales (the head at int8), or, with the host kernels,
+    as stored when stored bf16 (the bf16 GEMV reads it); everything else in ``dtype``. ``named``: name -> tensor
+    (meta tensors do). ``host_kernels``: whether the host kernels load (None: ask them)."""
+    if host_kernels is None:
+        from .. import kernels
+        host_kernels = kernels.lib() is not None
+    fast = host_kernels and dtype == torch.float32
+    total = 0.0
+    for name, t in named.items():
+        if not t.is_floating_point():
+            total += t.numel() * t.element_size()
+            continue
+        linear = (t.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name
+                  and t.shape[1] % 32 == 0)
+        if fast and linear and quant != "none":
+            total += t.numel() * _DENSE_QUANT_BYTES["int8" if name.startswith("lm_head") else quant]
+        elif fast and linear and t.dtype == torch.bfloat16:
+            total += t.numel() * 2
+        else:
+            total += t.numel() * dtype.itemsize
+    return int(total)
+
+
 def device_memory(device: "str | None", profile: "str | None") -> "tuple[int, str]":
     """(bytes, where from) of one rank's device: the CUDA device's total memory, else the profile's GPU."""
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():

@@ -185,3 +185,60 @@ def test_a_checkpoint_written_layer_by_layer_is_the_same_checkpoint(tmp_path):
         t = load_file(str(tmp_path / "sharded" / file))[name]
         assert t.dtype == torch.bfloat16 and torch.equal(t, one[name].to(torch.bfloat16)), name
     assert json.load(open(tmp_path / "sharded" / "config.json"))["torch_dtype"] == "bfloat16"
+
+
+def _held_dense_bytes(model) -> int:
+    """Bytes of every distinct tensor storage the model's layers, embeddings, norm, head and residual scheme
+    hold: what its dense weights take once loaded (the KV cache, the expert store and the rotary tables are
+    not dense weights)."""
+    import torch
+    seen, total, stack = set(), 0, [model.layers, model.embed, model.norm, model.head, model.residual]
+    visited = set()
+    while stack:
+        o = stack.pop()
+        if o is None or id(o) in visited:
+            continue
+        visited.add(id(o))
+        if isinstance(o, torch.Tensor):
+            key = (o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += o.untyped_storage().nbytes()
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif type(o).__module__.startswith("runtime.") and hasattr(o, "__dict__"):
+            stack.extend(v for k, v in vars(o).items() if k not in ("store", "executor", "rope", "experts", "cfg"))
+    return total
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_dense_weights_counted_as_they_are_kept(tmp_path, quant):
+    """--host-budget auto and plan --gpus 0 count the dense weights at the size the model keeps them (bf16 as
+    stored for the bf16 GEMV, --dense-quant's codes + scales, the head at int8), not float32: checked against
+    the bytes a loaded model's layers hold."""
+    import torch
+    from runtime import kernels
+    from runtime.model.convert import convert
+    from runtime.model.footprint import dense_bytes, dense_kept_bytes
+    from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
+    from runtime.plan import dense_shapes, plan_cpu
+    if kernels.lib() is None:
+        pytest.skip("the host kernels do not load here: dense weights are widened to float32")
+    spec = SyntheticModelSpec(num_layers=2, num_experts=8, hidden_size=128, intermediate_size=64, num_heads=4,
+                              num_kv_heads=2)
+    build_checkpoint(str(tmp_path / "hf"), spec, dtype=torch.bfloat16)
+    store = str(tmp_path / "store")
+    convert(str(tmp_path / "hf"), store)
+    shapes = dense_shapes(store)
+    kept = dense_kept_bytes(shapes, torch.float32, quant)
+    model, st = load_model(store, device="cpu", host_budget="auto", dense_quant=quant)
+    try:
+        held = _held_dense_bytes(model)
+    finally:
+        st.close()
+    assert abs(kept - held) <= 0.02 * held, (kept, held)
+    assert kept < 0.75 * dense_bytes(shapes.values(), torch.float32)        # float32 counted them too big
+    p = plan_cpu(store, context=64, batch=1, memory=2**30, probe_disk=False, dense_quant=quant)
+    assert p["dense"] == kept
