@@ -43,7 +43,8 @@ class RuntimeConfig:
     cpu_experts: str = "0"               # 0 | N | auto: hybrid execution (ExpertStore)
     prefetch_rule: str = "cost"          # cost | always (cache_policy.prefetch.PrefetchGate)
     profile: "str | None" = None         # hardware profile of the cost decisions (default: cpu / h200)
-    host_act_quant: str = "none"         # none | q8: 4-bit experts on the CPU dot 8-bit activations (runtime/kernels)
+    host_act_quant: str = "q8"           # q8 | none: quantized experts on the CPU dot 8-bit activations (runtime/kernels;
+                                         # llama.cpp's default); none: exact float activations
     dense_quant: str = "none"            # none | int8 | int4: non-expert projections quantized at load (layers/dense.py)
     tensor_parallel: int = 1             # ranks that split every expert and the attention heads (runtime/parallel)
     pipeline_parallel: int = 1           # stages of consecutive layers (x tensor_parallel ranks each)

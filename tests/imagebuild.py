@@ -19,6 +19,7 @@ import time
 from helpers import ROOT
 
 BASE = "tiered-moe-base:bookworm"
+BUILD_BASE = "tiered-moe-build-base:bookworm"      # the wheel's build stage: the same Debian with gcc
 IMAGE = "tiered-moe:test"
 
 
@@ -86,7 +87,8 @@ class ImageBuild:
     def _run(self) -> None:
         try:
             self._daemon()
-            self.outcome = self._image(self._base())
+            self.outcome = self._image(self._base(BASE, "python3,python3-venv,ca-certificates"),
+                                       self._base(BUILD_BASE, "python3,python3-venv,gcc,libc6-dev,ca-certificates"))
         except _Skip as e:
             self.outcome = ("skip", str(e))
         except Exception as e:         # reported by the test that needs the image
@@ -109,29 +111,29 @@ class ImageBuild:
                 raise _Skip(f"dockerd did not start (see /tmp/tiered-moe-dockerd.log): exit {self.dockerd.poll()}")
             time.sleep(0.5)
 
-    def _base(self) -> str:
-        if sh("docker", "image", "inspect", BASE, check=False).returncode == 0:
-            return BASE
+    def _base(self, name: str, packages: str) -> str:
+        if sh("docker", "image", "inspect", name, check=False).returncode == 0:
+            return name
         if shutil.which("debootstrap") is None:
             raise _Skip("no debootstrap to build a base image (Debian's debootstrap; tests/install_docker.sh installs it)")
         mirror = debian_mirror()
         if mirror is None:
             raise _Skip("no Debian mirror in this machine's apt sources for debootstrap")
         root = os.path.join(self.work, "rootfs")
-        sh("debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm", root,
-           mirror, timeout=900)
+        shutil.rmtree(root, ignore_errors=True)
+        sh("debootstrap", "--variant=minbase", f"--include={packages}", "bookworm", root, mirror, timeout=900)
         tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
-        sh("docker", "import", "-", BASE, stdin=tar.stdout, timeout=300)
+        sh("docker", "import", "-", name, stdin=tar.stdout, timeout=300)
         tar.wait()
         shutil.rmtree(root, ignore_errors=True)
-        return BASE
+        return name
 
-    def _image(self, base: str) -> str:
+    def _image(self, base: str, build_base: str) -> str:
         """docker/Dockerfile, built offline: every wheel made here first (with this machine's pip
         configuration, which serves the CPU torch)."""
         ctx = os.path.join(self.work, "ctx")
         os.makedirs(ctx)
-        for name in ("pyproject.toml", "README.md", "LICENSE"):
+        for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
             shutil.copy(os.path.join(ROOT, name), os.path.join(ctx, name))
         for name in ("cache_policy", "runtime", "docker"):
             shutil.copytree(os.path.join(ROOT, name), os.path.join(ctx, name),
@@ -143,7 +145,7 @@ class ImageBuild:
         sh(sys.executable, "-m", "pip", "wheel", "-q", "-w", wheels, f"torch=={torch_version}", "setuptools>=64",
            "wheel", ctx, timeout=900)
         sh("docker", "build", "--network", "host", "-f", os.path.join(ctx, "docker", "Dockerfile"), "--build-arg",
-           f"BASE={base}", "--build-arg", f"TORCH_SPEC=torch=={torch_version}", "--build-arg", "TORCH_INDEX=",
+           f"BASE={base}", "--build-arg", f"BUILD_BASE={build_base}", "--build-arg", f"TORCH_SPEC=torch=={torch_version}", "--build-arg", "TORCH_INDEX=",
            "--build-arg", "PIP_ARGS=--no-index", "-t", IMAGE, ctx, timeout=1200)
         return IMAGE
 

@@ -194,10 +194,36 @@ def test_console_script_demo_help_replay_convert_generate(installed):
              "--device-budget", "200KiB", "--json"], cwd=work, env=env)
     out = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(out[0]["tokens"]) == 5 and out[1]["generated_tokens"] == 5
-    # The host kernels compile from the wheel's own source, into the user's cache.
-    r = run([os.path.join(venv, "bin", "python"), "-c",
-             "from runtime import kernels; print(kernels.SRC); print(kernels.lib() is not None, kernels.unavailable())"],
-            cwd=work, env=env)
-    src_path, ok = r.stdout.splitlines()[-2:]
-    assert "site-packages" in src_path and ok.startswith("True"), r.stdout
+    # The host kernels ship compiled in the wheel (setup.py's build_py: every x86-64 instruction set, named by the
+    # source they were made from): with no compiler on PATH and no CC, the widest this CPU runs loads from
+    # site-packages, nothing is compiled into the user's cache, and the model's decode layers run fused on them.
+    # (A machine without AVX2 + FMA + F16C runs the reference path: nothing to check there.)
+    probe = ("import json, sys; from runtime import kernels; from runtime.model import load_model; "
+             "m, st = load_model(sys.argv[1], device='cpu', host_budget='auto'); "
+             "print(json.dumps({'src': kernels.SRC, 'ok': kernels.lib() is not None, 'why': kernels.unavailable(), "
+             "'source': kernels.source(), 'isa': kernels.isa(), 'fused': sum(f is not None for f in m.fused), "
+             "'layers': len(m.layers)})); st.close()")
+    bare = os.path.join(venv, "bin")                 # PATH: the venv's scripts alone, no gcc / cc
+    assert not [c for c in ("gcc", "cc", "clang") if shutil.which(c, path=bare)]
+    no_cc = {k: v for k, v in clean_env(XDG_CACHE_HOME=os.path.join(work, "cache-bare"), PATH=bare).items() if k != "CC"}
+    r = run([os.path.join(bare, "python"), "-c", probe, store], cwd=work, env=no_cc)
+    got = json.loads(r.stdout.splitlines()[-1])
+    if not all(f in open("/proc/cpuinfo").read() for f in ("avx2", "fma", "f16c")):
+        assert not got["ok"]
+        return
+    assert "site-packages" in got["src"] and got["ok"], got
+    assert got["source"].startswith("prebuilt (") and "site-packages" in got["source"], got
+    assert got["fused"] == got["layers"] > 0, got
+    assert not os.path.exists(os.path.join(work, "cache-bare", "tiered-moe", "kernels"))
+    # the shipped builds: one per x86-64 instruction set, of the wheel's own source
+    import hashlib
+    key = hashlib.sha256(open(os.path.join(src, "runtime", "kernels", "moe_cpu.c"), "rb").read()).hexdigest()[:16]
+    shipped = sorted(os.listdir(os.path.dirname(got["source"][len("prebuilt ("):-1])))
+    assert shipped == sorted(f"moe_cpu-{key}-x86_64-{isa}.so" for isa in ("avx2", "avx512", "avx512-vnni")), shipped
+    # Told not to use them (TIERED_MOE_KERNEL_PREBUILT=0), with a compiler: built from the wheel's own source,
+    # into the user's cache.
+    r = run([os.path.join(venv, "bin", "python"), "-c", probe, store], cwd=work,
+            env={**env, "TIERED_MOE_KERNEL_PREBUILT": "0"})
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["ok"] and got["source"].startswith("compiled here ("), got
     assert any(f.endswith(".so") for f in os.listdir(os.path.join(work, "cache", "tiered-moe", "kernels")))

@@ -1,6 +1,9 @@
-"""Host (CPU) kernels: ``moe_cpu.c``, compiled on first use with the machine's C compiler and kept in
-a cache folder keyed by the source, the compiler flags and the CPU's features (as torch's and
-triton's JIT extensions are), loaded with ctypes.
+"""Host (CPU) kernels: ``moe_cpu.c``, loaded with ctypes. A wheel carries them compiled (setup.py builds
+every instruction set of this architecture into ``prebuilt/`` when the wheel is made: a machine or
+container with no compiler runs them); where none was shipped for this source (a source checkout, another
+architecture) they are compiled on first use with the machine's C compiler and kept in a cache folder
+keyed by the source, the compiler flags and the CPU's features (as torch's and triton's JIT extensions
+are). ``source()`` says which ran.
 
 Why our own C rather than a library (bench/host_kernels.py measures the candidates): torch's CPU
 kernels take float32 or bf16 matrices one matmul at a time (its bf16 matmul is slower than our bf16
@@ -10,9 +13,9 @@ graph per call. What the runtime needs is one call per MoE layer over the expert
 as they sit in the tier slabs, with the codes decoded in registers, and a decode layer in two calls
 (runtime/model/layers/fused.py): about a thousand lines of C.
 
-``TIERED_MOE_HOST_KERNELS=0`` turns the kernels off (the dequantize-then-matmul reference path
-runs instead); without a compiler, or on a CPU without AVX2 + FMA + F16C, they are off and
-``unavailable()`` says why.
+``TIERED_MOE_KERNEL_PREBUILT=0`` ignores the shipped builds (compiles here). ``TIERED_MOE_HOST_KERNELS=0``
+turns the kernels off (the dequantize-then-matmul reference path runs instead); with neither a shipped
+build nor a compiler, or on a CPU without AVX2 + FMA + F16C, they are off and ``unavailable()`` says why.
 
 Instruction sets: AVX2 + FMA + F16C is the base build; on a CPU with AVX-512 (F, BW, VL, DQ) every
 loop runs 16 floats wide, and with AVX512-VNNI the 8-bit-activation path (``--host-act-quant q8``)
@@ -36,23 +39,13 @@ import ctypes
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 
-SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_cpu.c")
-FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-mavx2", "-mfma", "-mf16c"]
-NEEDS = ("avx2", "fma", "f16c")
-# TIERED_MOE_KERNEL_SANITIZE=1: -O1 and frame pointers for readable reports; no recovery, so the first
-# UB report aborts the run (tests/kernels_sanitize.sh fails on it).
-SANITIZE_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+from .build import (FLAGS, ISAS, NEEDS, PREBUILT_DIR, SANITIZE_FLAGS, SRC, compile_to,  # noqa: F401 (re-exported)
+                    prebuilt_name, source_key)
+
 ABI_VERSION = 3          # moe_cpu.c tm_version(): a library of another ABI is refused, not called
-# Wider builds: (name, /proc/cpuinfo flags it needs, compiler flags), widest first.
-ISAS = (("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
-         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]),
-        ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
-        ("avx2", (), []))
 ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512-vnni"}
 
 # Formats and scale dtypes as the C enums number them.
@@ -164,22 +157,18 @@ def _build(cc: str, flags: set, extra: list) -> str:
         src = f.read()
     extra = extra + (SANITIZE_FLAGS if _sanitize() else [])     # after FLAGS: its -O1 wins
     key = hashlib.sha256(src + " ".join([cc] + FLAGS + extra + sorted(flags & set(NEEDS))).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    path = os.path.join(out_dir, f"moe_cpu-{key}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        p = subprocess.run([cc, *FLAGS, *extra, SRC, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if p.returncode:
-            raise RuntimeError(f"{cc} failed on {SRC}:\n{p.stderr[-2000:]}")
-        os.replace(tmp, path)       # atomic: a concurrent build leaves one complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    path = os.path.join(cache_dir(), f"moe_cpu-{key}.so")
+    if not os.path.exists(path):
+        compile_to(cc, extra, path)
     return path
+
+
+def _prebuilt(isa: str) -> "str | None":
+    """The build of ``isa`` the installed package ships for this source and architecture, if any."""
+    if _sanitize() or os.environ.get("TIERED_MOE_KERNEL_PREBUILT", "1") == "0":
+        return None
+    path = os.path.join(PREBUILT_DIR, prebuilt_name(isa, _state.setdefault("key", source_key())))
+    return path if os.path.exists(path) else None
 
 
 def _load():
@@ -192,8 +181,6 @@ def _load():
     if missing:
         return None, f"the CPU lacks {', '.join(missing)}"
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        return None, "no C compiler (gcc or cc) on PATH"
     if _sanitize() and "libasan" not in os.environ.get("LD_PRELOAD", ""):
         # loading it anyway would abort the process ("ASan runtime does not come first")
         return None, ("TIERED_MOE_KERNEL_SANITIZE=1 needs the ASan runtime preloaded: "
@@ -203,13 +190,28 @@ def _load():
     except ValueError as e:
         return None, str(e)
     errors = []
-    for isa, extra in builds:        # an older compiler without a wide ISA's flags: the next one down
+    # The widest build this CPU runs: shipped in the package, else compiled here (an older compiler without
+    # a wide ISA's flags: the next one down).
+    for isa, extra in builds:
+        path = _prebuilt(isa)
         try:
-            lib = ctypes.CDLL(_build(cc, flags, extra))
+            if path is None:
+                if not cc:
+                    continue
+                path = _build(cc, flags, extra)
+                _state["source"] = f"compiled here ({path})"
+            else:
+                _state["source"] = f"prebuilt ({path})"
+            lib = ctypes.CDLL(path)
             break
         except (OSError, RuntimeError) as e:
             errors.append(f"{isa}: {e}")
     else:
+        _state.pop("source", None)
+        if not cc and not errors:
+            return None, (f"no build for this CPU ({'/'.join(i for i, _ in builds)}) ships in this install "
+                          f"({PREBUILT_DIR}: a wheel built where a C compiler was carries them) and no C compiler "
+                          f"(gcc or cc) on PATH to build one")
         return None, "\n".join(errors)
     lib.tm_version.restype = ctypes.c_int
     if lib.tm_version() != ABI_VERSION:
@@ -269,6 +271,13 @@ def isa() -> "str | None":
     """The instruction set of the loaded kernels (avx2, avx512, avx512-vnni), or None when off."""
     lb = lib()
     return None if lb is None else ISA_NAMES[lb.tm_isa()]
+
+
+def source() -> "str | None":
+    """Where the loaded kernels came from: "prebuilt (PATH)" (shipped in the installed package) or
+    "compiled here (PATH)" (on first use); None when they are off."""
+    lib()
+    return _state.get("source") if _state.get("lib") is not None else None
 
 
 def unavailable() -> "str | None":

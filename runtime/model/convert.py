@@ -418,11 +418,15 @@ def _write_experts(writer, cfg: MoEConfig, logical, fmt, shipped: bool, weights:
             if not fmt.quantized:
                 w["gate_up"] = torch.cat([w.pop("gate"), w.pop("up")], 0)
             elif not shipped:
-                src = {k: w[k] for k in ("gate", "up", "down")}
+                # contiguous: gpt-oss's gate and up are every other row of its fused tensor (strided views)
+                src = {k: w[k].contiguous() for k in ("gate", "up", "down")}
                 w.update({k: fmt.quantize(v) for k, v in src.items()})
             writer.write(m, e, w)
             if quantize and (e < 4 or e % 16 == 0):   # a sample of experts per layer
-                raw = {f"{k}.{s}": t for k in ("gate", "up", "down") for s, t in w[k].items()}
+                # every stored part as the codec names it: a quantized weight's parts, a float tensor's ".t"
+                # (gpt-oss's biases)
+                raw = {f"{k}.{s}": t for k, v in w.items() for s, t in (v.items() if isinstance(v, dict) else
+                                                                        [("t", v)])}
                 errors.append(expert_error(weights, raw, src))
             if bar:
                 bar.update()

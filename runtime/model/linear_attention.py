@@ -191,8 +191,22 @@ def _conv_weight(t: torch.Tensor) -> torch.Tensor:
 # Shared pieces
 # ----------------------------------------------------------------------------------------------------------------
 
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x W^T: ``w`` a weight [out, in], or a projection ``prepare`` made (a callable x -> x W^T)."""
+    if not isinstance(w, torch.Tensor):
+        return w(x)
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+
+
+class _Projections:
+    """``prepare(make)``: each projection weight [out, in] named in ``projections`` replaced by ``make(weight)``, a
+    callable x -> x W^T whose backend is picked once (runtime/model/layers/dense.py's Linear: the host kernels'
+    bf16 GEMV or quantized rows on a CPU). Unprepared, the forward multiplies the tensors with F.linear."""
+    projections: tuple = ()
+
+    def prepare(self, make) -> None:
+        for n in self.projections:
+            setattr(self, n, make(getattr(self, n)))
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -326,7 +340,7 @@ def _check_state(state: LinearAttentionState, rec_shape: tuple, conv_shape: tupl
 # Kimi Delta Attention
 # ----------------------------------------------------------------------------------------------------------------
 
-class KimiDeltaAttention:
+class KimiDeltaAttention(_Projections):
     """Kimi-Linear's KDA layer (transformers ``KimiLinearDeltaAttention``), for one sequence.
 
     Weights (relative to ``model.layers.N.self_attn.``), released checkpoint names, with the transformers module
@@ -341,6 +355,8 @@ class KimiDeltaAttention:
 
     ``layer(x, state=None, mode="auto") -> (y, new_state)``; x: [T, hidden]."""
 
+    projections = ("qkv_proj", "f_a", "f_b", "b_proj", "g_a", "g_b", "o_proj")
+
     def __init__(self, cfg: KDAConfig, weights: dict, name: str = "kda"):
         self.cfg, self.name = cfg, name
         H, K, D, W = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.conv_kernel_size
@@ -349,9 +365,8 @@ class KimiDeltaAttention:
         def take(names, shapes):
             return _take(weights, names, shapes, name)
 
-        self.q_proj = take("q_proj.weight", (HK, D))
-        self.k_proj = take("k_proj.weight", (HK, D))
-        self.v_proj = take("v_proj.weight", (HK, D))
+        # q, k and v in one product (their rows stacked: the conv's channel order q | k | v)
+        self.qkv_proj = torch.cat([take(f"{n}_proj.weight", (HK, D)) for n in "qkv"])   # [3*H*K, hidden]
         if "conv1d.weight" in weights:                                     # transformers layout: already stacked
             self.conv = _conv_weight(take("conv1d.weight", [(3 * HK, 1, W), (3 * HK, W)]))
         else:                                                              # released checkpoint: one conv per q/k/v
@@ -380,7 +395,7 @@ class KimiDeltaAttention:
         _check_state(state, (H, K, K), (c.conv_dim, c.conv_kernel_size - 1), self.name)
         T = x.shape[0]
 
-        mixed = torch.cat([_linear(x, self.q_proj), _linear(x, self.k_proj), _linear(x, self.v_proj)], -1)  # [T, 3HK]
+        mixed = _linear(x, self.qkv_proj)                                  # mixed: [T, 3HK]
         mixed, conv_state = _causal_conv(mixed, state.conv, self.conv)    # short conv + SiLU on q, k and v
         q, k, v = (t.reshape(T, H, K) for t in mixed.split(H * K, dim=-1))  # q, k, v: [T, H, K]
 
@@ -409,7 +424,7 @@ class KimiDeltaAttention:
         if recurrent.shape != (B, H, K, K) or conv.shape != (B, c.conv_dim, W - 1):
             raise ValueError(f"{self.name}: decode states must be [{B}, {H}, {K}, {K}] and [{B}, {c.conv_dim}, {W - 1}], "
                              f"got {_shape(recurrent)} and {_shape(conv)}")
-        mixed = torch.cat([_linear(x, self.q_proj), _linear(x, self.k_proj), _linear(x, self.v_proj)], -1)  # [B, 3HK]
+        mixed = _linear(x, self.qkv_proj)                                  # mixed: [B, 3HK]
         xs = torch.cat([conv.to(x.dtype), mixed[:, :, None]], -1)          # xs: [B, C, W] oldest first
         mixed = F.silu((xs * self.conv.to(x.dtype)).sum(-1))               # the causal conv's last output: [B, C]
         q, k, v = (t.reshape(B, H, K) for t in mixed.split(H * K, dim=-1))  # q, k, v: [B, H, K]
@@ -432,7 +447,7 @@ class KimiDeltaAttention:
 # Gated DeltaNet
 # ----------------------------------------------------------------------------------------------------------------
 
-class GatedDeltaNet:
+class GatedDeltaNet(_Projections):
     """Qwen3-Next's Gated DeltaNet layer (transformers ``Qwen3NextGatedDeltaNet``), for one sequence.
 
     Weights (relative to ``model.layers.N.linear_attn.``):
@@ -445,6 +460,8 @@ class GatedDeltaNet:
       dt_bias [Hv], A_log [Hv], norm.weight [Dv], out_proj.weight [hidden, Hv*Dv]
 
     ``layer(x, state=None, mode="auto") -> (y, new_state)``; x: [T, hidden]."""
+
+    projections = ("in_proj", "out_proj")
 
     def __init__(self, cfg: GatedDeltaNetConfig, weights: dict, name: str = "gated_deltanet"):
         self.cfg, self.name = cfg, name
@@ -540,5 +557,4 @@ class GatedDeltaNet:
         o = _gated_rmsnorm(o, self.norm, z.reshape(B, Hv, Dv), c.rms_norm_eps, F.silu)
         y = _linear(o.reshape(B, Hv * Dv).to(x.dtype), self.out_proj)     # y: [B, hidden]
         return y, S, xs[:, :, 1:]
-
 

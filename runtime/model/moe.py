@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..kernels.cores import free_cores
 from .config import MoEConfig
 from .layers.cache import KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, kv_block_size
 from .layers.kinds import attention_kind, cache_specs, kv_bytes_per_token, state_bytes_per_sequence
@@ -232,17 +233,20 @@ class MoEModel:
         on this project's 2-core machine, shared with other jobs, a 2-row expert matmul took 0.6 ms
         on one thread and 3 ms on two, and a 64-token prefill of the mid-size checkpoint of
         bench/decode_speed.py 0.56 s and 2.5 s. Large forwards (long prefills, big batches) use
-        every thread; on a machine whose cores are busy anyway, ``--threads 1`` is faster still."""
-        want = torch.get_num_threads()
+        every thread. Never more than the cores other processes leave free (kernels/cores.py, remeasured every
+        0.1 s): on a shared machine a thread that gets descheduled stalls every join of the step."""
+        configured = torch.get_num_threads()
+        free = free_cores()
+        want = configured if free is None else min(configured, free)
         kernels.set_threads(want)         # the host kernels split even one token's experts
         use = max(1, min(want, sum(len(c) for c in chunks) // self.tokens_per_thread))
-        if use == want:
+        if use == configured:
             return self._micro(seqs, chunks, hooks)
         torch.set_num_threads(use)
         try:
             return self._micro(seqs, chunks, hooks)
         finally:
-            torch.set_num_threads(want)
+            torch.set_num_threads(configured)
 
     def _micro(self, seqs: list, chunks: list, hooks: StepHooks):
         """Pipeline stages: the step's sequences in up to ``stages`` micro-batches, one after the other on this

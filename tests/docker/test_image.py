@@ -68,6 +68,17 @@ print(json.dumps({"site": site, "modules": modules, "direct_url": direct, "stray
 """
 
 
+# The kernels inside the container: where they came from, and that no compiler could have made them there.
+KERNELS = r"""
+import json, shutil
+from runtime import kernels
+flags = open("/proc/cpuinfo").read()
+print(json.dumps({"ok": kernels.lib() is not None, "source": kernels.source(), "why": kernels.unavailable(),
+                  "compilers": [c for c in ("gcc", "cc", "clang") if shutil.which(c)],
+                  "cpu_ok": all(f in flags for f in ("avx2", "fma", "f16c"))}))
+"""
+
+
 def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -113,5 +124,10 @@ def test_image_builds_and_serves_from_outside(image, tiny_store):
         assert not where["editable"], f"an editable install: {where['direct_url']}"
         assert where["strays"] == [], f"sources outside site-packages: {where['strays']}"
         assert not {"runtime", "cache_policy", "pyproject.toml"} & set(where["cwd_entries"]), where
+        # the host kernels the wheel carries run, in an image with no C compiler (built in the build stage)
+        kern = json.loads(sh("docker", "exec", name, "python", "-c", KERNELS).stdout)
+        assert kern["compilers"] == [], kern
+        if kern["cpu_ok"]:
+            assert kern["ok"] and kern["source"].startswith("prebuilt (/opt/venv/"), kern
     finally:
         sh("docker", "rm", "-f", name, check=False)

@@ -4,6 +4,7 @@ then the expert FFN in float64 here. The kernel decodes each element to its exac
 the only difference is the order of float32 sums: a relative error of a few float32 ulps of the
 output's scale, checked at 2e-5 of the largest output."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ def isa(request, monkeypatch):
     kernels.reset()
     assert kernels.isa() == request.param, kernels.unavailable()
     yield request.param
-    monkeypatch.delenv("TIERED_MOE_HOST_ISA")
+    monkeypatch.delenv("TIERED_MOE_HOST_ISA", raising=False)        # (a test may have dropped it)
     kernels.reset()
 
 FORMATS = [("fp32", {}), ("bf16", {}), ("fp16", {}), ("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"}),
@@ -256,3 +257,35 @@ def test_a_wide_build_the_compiler_refuses_falls_back_to_the_next(monkeypatch):
     monkeypatch.setenv("TIERED_MOE_HOST_ISA", ISAS[0])       # asked for by name: no fallback, the reason named
     kernels.reset()
     assert kernels.lib() is None and "unrecognized command-line option" in kernels.unavailable()
+
+
+def test_shipped_builds_load_without_a_compiler(monkeypatch, tmp_path):
+    """What setup.py puts in a wheel (build.build_prebuilt: every x86-64 instruction set of this source) loads with
+    no compiler on PATH - the widest build the CPU runs -; a build of another source is never loaded (an edited
+    moe_cpu.c compiles anew), and with neither a matching build nor a compiler the reason names both."""
+    from runtime.kernels import build
+    if os.environ.get("TIERED_MOE_HOST_ISA") != ISAS[0]:
+        pytest.skip("builds every instruction set itself: once is enough")
+    if kernels.unavailable() is not None:
+        pytest.skip(f"host kernels unavailable here: {kernels.unavailable()}")
+    made, failed = build.build_prebuilt(str(tmp_path / "prebuilt"), os.environ.get("CC") or "gcc")
+    assert not failed and len(made) == len(build.ISAS)
+    monkeypatch.setattr(kernels, "PREBUILT_DIR", str(tmp_path / "prebuilt"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("TIERED_MOE_HOST_ISA", raising=False)
+    monkeypatch.setenv("TIERED_MOE_KERNEL_CACHE", str(tmp_path / "cache"))
+    try:
+        kernels.reset()
+        assert kernels.lib() is not None and kernels.isa() == ISAS[0]       # the widest this CPU runs
+        assert kernels.source() == f"prebuilt ({tmp_path / 'prebuilt' / build.prebuilt_name(ISAS[0], build.source_key())})"
+        assert not (tmp_path / "cache").exists()                           # nothing compiled
+        # a build of another source (its name keyed by that source's hash) is not this source's
+        for f in os.listdir(tmp_path / "prebuilt"):
+            os.rename(tmp_path / "prebuilt" / f, tmp_path / "prebuilt" / f.replace(build.source_key(), "0" * 16))
+        kernels.reset()
+        assert kernels.lib() is None and kernels.source() is None
+        why = kernels.unavailable()
+        assert "ships in this install" in why and "no C compiler" in why, why
+    finally:
+        kernels.reset()

@@ -10,7 +10,8 @@ from ..linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, K
                                 LinearAttentionState)
 from .cache import StateCacheSpec
 from .context import ForwardContext
-from .weights import layer_prefix, take
+from .dense import Linear
+from .weights import layer_prefix, linear_opts, take
 from .protocol import HeadSplit, Sublayer, cols, rows
 
 
@@ -32,7 +33,15 @@ class LinearAttentionLayer(Sublayer):
         kind, lc = linear_kind(cfg)
         p = layer_prefix(i) + cfg.linear.prefix
         self.i = i
-        self.layer = kind(lc, {n[len(p):]: take(w, n) for n in linear_names(cfg, i)}, name=f"layer {i}")
+        names = linear_names(cfg, i)
+        stored = {w[n].dtype for n in names if n in w and w[n].dim() == 2}
+        self.layer = kind(lc, {n[len(p):]: take(w, n) for n in names}, name=f"layer {i}")
+        # The projections on dense.py's Linear, in the checkpoint's dtype (bf16 came through the compute dtype
+        # exactly): the host kernels' bf16 GEMV or --dense-quant rows on a CPU, torch.mm elsewhere.
+        keep = stored.pop() if len(stored) == 1 else None
+        dt = getattr(w, "dtype", None)
+        if dt is not None:
+            self.layer.prepare(lambda t: Linear(t if keep is None else t.to(keep), None, dt, **linear_opts(w)))
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:

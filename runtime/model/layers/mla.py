@@ -14,7 +14,8 @@ from .cache import TokenCacheSpec
 from .context import ForwardContext
 from .norm import RMSNorm
 from .rope import _no_rotation, _rotate, mla_softmax_scale, rope_interleaved
-from .weights import layer_prefix, take
+from .dense import Linear
+from .weights import compute_dtype, layer_prefix, linear_opts, take, take_raw
 from .protocol import HeadSplit, Sublayer, cols, rows
 
 
@@ -31,18 +32,23 @@ class MLAttention(Sublayer):
         self.nh, self.nope, self.rope, self.vd, self.lat = (cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim,
                                                             m.v_head_dim, m.kv_lora_rank)
         self.scale = mla_softmax_scale(cfg)
+        # The projections as dense.py's Linear: on a CPU the host kernels' bf16 GEMV over the checkpoint's bf16
+        # weights (half the bytes a float32 copy reads) or --dense-quant's codes; torch.mm elsewhere. kv_b stays
+        # a tensor: decode absorbs it into the query and the output (einsums over its halves).
+        def lin(name: str) -> Linear:
+            t = take_raw(w, p + name + ".weight")
+            return Linear(t, None, compute_dtype(w, t), **linear_opts(w))
         if m.q_lora_rank:
-            self.q_a, self.q_a_norm, self.q_b = (take(w, p + "q_a_proj.weight"),
-                                                 RMSNorm(take(w, p + "q_a_layernorm.weight"), self.eps),
-                                                 take(w, p + "q_b_proj.weight"))
+            self.q_a, self.q_a_norm, self.q_b = (lin("q_a_proj"), RMSNorm(take(w, p + "q_a_layernorm.weight"), self.eps),
+                                                 lin("q_b_proj"))
             self._q = self._q_lora            # DeepSeek-V2 / V3: q through its low-rank projection
         else:
-            self.q = take(w, p + "q_proj.weight")
+            self.q = lin("q_proj")
             self._q = self._q_full            # DeepSeek-V2-Lite: one q projection
-        self.kv_a = take(w, p + "kv_a_proj_with_mqa.weight")
+        self.kv_a = lin("kv_a_proj_with_mqa")
         self.kv_a_norm = RMSNorm(take(w, p + "kv_a_layernorm.weight"), self.eps)
         self.kv_b = take(w, p + "kv_b_proj.weight")
-        self.o = take(w, p + "o_proj.weight")
+        self.o = lin("o_proj")
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
         self.rot = _no_rotation if not m.rope else rope_interleaved if m.rope_interleave else _rotate
 
@@ -94,15 +100,15 @@ class MLAttention(Sublayer):
         return {**out, **attention_extras(cfg, layer_prefix(i))}
 
     def _q_lora(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.q_a_norm(F.linear(x, self.q_a)), self.q_b)
+        return self.q_b(self.q_a_norm(self.q_a(x)))
 
     def _q_full(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.q)
+        return self.q(x)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         nh, nope, rope, vd, lat = self.nh, self.nope, self.rope, self.vd, self.lat
         q = self._q(x).view(-1, nh, nope + rope)                         # q: [tokens, heads, nope+rope]
-        ckv = F.linear(x, self.kv_a)                                     # ckv: [tokens, lat+rope]
+        ckv = self.kv_a(x)                                               # ckv: [tokens, lat+rope]
         latent = self.kv_a_norm(ckv[:, :lat])
         k_rot = ckv[:, lat:]
         rot = self.rot
@@ -123,7 +129,7 @@ class MLAttention(Sublayer):
                                                kv[..., nope:].transpose(0, 1)[None], attn_mask=causal,
                                                scale=self.scale)          # o: [1, heads, new, v]
             out[a:b] = o[0].transpose(0, 1)
-        return F.linear(out.reshape(-1, nh * vd), self.o)
+        return self.o(out.reshape(-1, nh * vd))
 
     def _decode(self, q, latent, k_rot, ctx: ForwardContext, K) -> torch.Tensor:
         """One token per sequence, all sequences at once, attending in the latent space: kv_b's key
@@ -145,4 +151,4 @@ class MLAttention(Sublayer):
         p = scores.float().masked_fill(~mask[:, None, :], float("-inf")).softmax(-1).to(q.dtype)
         lctx = torch.einsum("bhn,bnl->bhl", p, cache[..., :lat])                      # [B, heads, lat]
         out = torch.einsum("bhl,hvl->bhv", lctx, wkv[:, nope:])                       # [B, heads, v]
-        return F.linear(out.reshape(B, nh * vd), self.o)
+        return self.o(out.reshape(B, nh * vd))

@@ -115,6 +115,14 @@ def test_cli_runtime_flags_reach_the_model(bf16):
                                    "--host-act-quant", "q8"])
     cfg = _runtime_config(a)
     assert (cfg.dense_quant, cfg.host_act_quant) == ("int4", "q8")
+    # 8-bit activations are the default (llama.cpp's); --host-act-quant none is the exact path, load_model's default
+    for argv, want in (([], "q8"), (["--host-act-quant", "none"], "none")):
+        got = _runtime_config(build_parser().parse_args(["generate", "--model", str(d / "bf16"), "--prompt", "x",
+                                                         *argv]))
+        assert (got.host_act_quant, got.dense_quant) == (want, "none")
+    import inspect
+    from runtime.model import load_model
+    assert inspect.signature(load_model).parameters["host_act_quant"].default == "none"
     model, store = cfg.load()
     try:
         assert model.layers[0].attn.qkv.quant == "int4" and model.layers[0].attn.qkv.args.q8 == 1
