@@ -1,10 +1,11 @@
-"""Decode speed of the layer kinds off the GQA path - MLA (DeepSeek-V2-Lite-like), KDA + MLA (Kimi-Linear-like) and
-Gated DeltaNet + gated attention (Qwen3-Next-like) - for two source trees side by side (issue 30: A/B of a change
+"""Decode speed of the layer kinds off the GQA path - MLA (DeepSeek-V2-Lite-like), KDA + MLA (Kimi-Linear-like),
+Gated DeltaNet + gated attention (Qwen3-Next-like) and sinks + sliding windows (gpt-oss-like) - for two source trees
+side by side (issue 30: A/B of a change
 to how those layers compute, e.g. their projections on the host kernels' Linear instead of float32 F.linear).
 
 Each checkpoint is built with transformers (seed 0, non-norm weights x4 as the tests do, saved in bf16; hidden
-512, 8 layers, 32 experts top-4: the mid-size shape of bench/decode_speed.py), converted once by each tree into a
-bf16 and an int4 store; each configuration (tree, shape, format, batch) runs in a fresh process of that tree at
+512, 8 layers, 32 experts top-4: the mid-size shape of bench/decode_speed.py), converted once (by the new tree)
+into a bf16 and an int4 store that both trees decode; each configuration (tree, shape, format, batch) runs in a fresh process of that tree at
 its defaults with 1 thread, every expert in memory (one memory, --host-budget auto), 16-token prompts and 32 new
 tokens; interleaved over --reps, the best kept. Reports decode tok/s and the ratio new / old.
 
@@ -42,6 +43,10 @@ SHAPES = {
                  linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=32,
                  num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                  max_position_embeddings=4096, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)),
+    "gptoss": ("gpt-oss-like (sinks, sliding 128 / full alternating, biases, clamped SwiGLU)", "GptOss",
+               dict(vocab_size=4096, hidden_size=512, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                    max_position_embeddings=4096, layer_types=["sliding_attention", "full_attention"] * 4)),
 }
 
 
@@ -87,21 +92,21 @@ def main():
         hf = os.path.join(a.workdir, s, "hf")
         if not os.path.exists(os.path.join(hf, "config.json")):
             build(s, hf)
-        for t, tree in trees.items():
-            for fmt in ("bf16", "int4"):
-                d = os.path.join(a.workdir, s, f"{t}-{fmt}")
-                if not os.path.exists(os.path.join(d, "manifest.json")):
-                    q = [] if fmt == "bf16" else ["--quantize", "int4"]
-                    subprocess.run([sys.executable, "-m", "runtime.cli", "convert", "--model", hf, "--out", d, *q],
-                                   cwd=tree, env={**os.environ, "PYTHONPATH": tree}, check=True, capture_output=True)
-                stores[(s, t, fmt)] = d
+        for fmt in ("bf16", "int4"):         # converted by the new tree; both trees decode the same store
+            d = os.path.join(a.workdir, s, fmt)
+            if not os.path.exists(os.path.join(d, "manifest.json")):
+                q = [] if fmt == "bf16" else ["--quantize", "int4"]
+                subprocess.run([sys.executable, "-m", "runtime.cli", "convert", "--model", hf, "--out", d, *q],
+                               cwd=trees["new"], env={**os.environ, "PYTHONPATH": trees["new"]}, check=True,
+                               capture_output=True)
+            stores[s, fmt] = d
     cases = [(s, fmt, b) for s in shapes for fmt in ("bf16", "int4") for b in (1, 8)]
     got = {(c, t): [] for c in cases for t in trees}
     for r in range(a.reps):
         for c in cases:
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for t in order:
-                got[(c, t)].append(run(trees[t], stores[(c[0], t, c[1])], c[2]))
+                got[(c, t)].append(run(trees[t], stores[c[0], c[1]], c[2]))
                 print(f"rep {r + 1} {c} {t}: {got[(c, t)][-1]:.1f} tok/s", flush=True)
     rows = []
     for c in cases:

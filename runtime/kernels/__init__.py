@@ -45,7 +45,7 @@ import threading
 from .build import (FLAGS, ISAS, NEEDS, PREBUILT_DIR, SANITIZE_FLAGS, SRC, compile_to,  # noqa: F401 (re-exported)
                     prebuilt_name, source_key)
 
-ABI_VERSION = 3          # moe_cpu.c tm_version(): a library of another ABI is refused, not called
+ABI_VERSION = 4          # moe_cpu.c tm_version(): a library of another ABI is refused, not called
 ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512-vnni"}
 
 # Formats and scale dtypes as the C enums number them.
@@ -239,7 +239,7 @@ def _load():
     lib.tm_rms_norm.restype = ctypes.c_int
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     lib.tm_gqa_decode.argtypes = [P, I64, P, I64, P, P, I64, P, P, I64, P, P, I64, P, I64, I64, I64, I64, ctypes.c_float,
-                                  P, P, ctypes.c_int32]
+                                  P, P, P, ctypes.c_int32]          # ... scale, sinks (or None), out, scratch, threads
     lib.tm_gqa_decode.restype = ctypes.c_int
     # Every caller raises on a refusal, named (tm_attn_block's caller, layers/fused.py, checks its code
     # itself to name the layer).

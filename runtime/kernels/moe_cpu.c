@@ -74,7 +74,7 @@ typedef struct {
 /* The ABI's version: runtime/kernels/__init__.py refuses a library of another one (the cache key is the
  * source, so only a library from elsewhere can be stale). 3: capacities in tm_moe_t / tm_lin_t /
  * tm_layer_t / tm_step_t, and error codes from every entry point. */
-int tm_version(void) { return 3; }
+int tm_version(void) { return 4; }
 
 /* Error codes of the exported entry points, all checked before any work (O(experts + rows + keys),
  * never per element). runtime/kernels/__init__.py mirrors the numbers and raises KernelError naming the
@@ -1284,9 +1284,11 @@ int tm_linear_q(const tm_lin_t *l) {
 /* ---- GQA decode over the paged KV cache ------------------------------------------------------------
  * One call per attention layer and step: RoPE on q and k (x cos + roll(x, rd/2) x signed sin on the
  * first rd channels of each head), k and v written to their token slots, then for each sequence and
- * head softmax(q K^T * scale) V over the keys at read[b, 0..pos[b]].
+ * head softmax(q K^T * scale) V over the keys at read[b, 0..pos[b]]; with sinks (gpt-oss: one learned logit
+ * per head), each head's softmax also takes its sink, which carries no value (transformers' eager attention).
  * qk: [B, nh + nkv, hd] (row stride qk_ld floats, rotated in place); v: [B, nkv, hd] (row stride v_ld);
- * cos, ssin: [B, rd] or NULL; K, V: [slots, nkv, hd]; write: [B]; read: [B, n]; out: [B, nh * hd]. */
+ * cos, ssin: [B, rd] or NULL; K, V: [slots, nkv, hd]; write: [B]; read: [B, n]; sinks: [nh] or NULL;
+ * out: [B, nh * hd]. */
 static inline float dot_f32(const float *a, const float *b, long n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     long i = 0;
@@ -1301,7 +1303,7 @@ static inline float dot_f32(const float *a, const float *b, long n) {
 
 typedef struct {
     const float *qk; long qk_ld; const float *K, *V; const int64_t *read; long n; const int64_t *pos;
-    long nh, nkv, hd; float scale; float *out, *scratch; long B_nh;
+    long nh, nkv, hd; float scale; const float *sinks; float *out, *scratch; long B_nh;
 } gqa_job_t;
 
 static void gqa_job(void *arg, int ith, int nth, tm_bar *bar) {
@@ -1322,7 +1324,9 @@ static void gqa_job(void *arg, int ith, int nth, tm_bar *bar) {
             p[j] = dot_f32(q, K + (read[b * n + j] * nkv + kv) * hd, hd) * scale;
             mx = p[j] > mx ? p[j] : mx;
         }
-        float sum = 0.0f;
+        const float sink = J->sinks ? J->sinks[h] : -INFINITY;     /* a logit with no value behind it */
+        mx = sink > mx ? sink : mx;
+        float sum = J->sinks ? expf(sink - mx) : 0.0f;
         for (long j = 0; j < m; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
         float *o = out + b * nh * hd + h * hd;
         memset(o, 0, hd * sizeof(float));
@@ -1354,8 +1358,8 @@ static int gqa_check(const int64_t *write, const int64_t *read, int64_t n, const
  * and slots already */
 static int gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
                       int64_t rd, float *K, float *V, const int64_t *write, const int64_t *read, int64_t n,
-                      const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale, float *out,
-                      float *scratch, int32_t nthreads, int64_t slots) {
+                      const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale,
+                      const float *sinks, float *out, float *scratch, int32_t nthreads, int64_t slots) {
     if (B < 0 || nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || (B && n <= 0) || qk_ld < (nh + nkv) * hd
         || v_ld < nkv * hd || (cos && (rd < 0 || rd > hd || rd % 2)))
         return TM_E_ARG;
@@ -1381,7 +1385,7 @@ static int gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, co
         memcpy(K + write[b] * nkv * hd, row + nh * hd, nkv * hd * sizeof(float));
         memcpy(V + write[b] * nkv * hd, v + b * v_ld, nkv * hd * sizeof(float));
     }
-    gqa_job_t j = {qk, qk_ld, K, V, read, n, pos, nh, nkv, hd, scale, out, scratch, B * nh};
+    gqa_job_t j = {qk, qk_ld, K, V, read, n, pos, nh, nkv, hd, scale, sinks, out, scratch, B * nh};
     pool_run(gqa_job, &j, (int)(nthreads > 0 ? (nthreads < B * nh ? nthreads : B * nh) : 1));
     return 0;
 }
@@ -1390,11 +1394,11 @@ static int gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, co
  * write and read slot is checked against it before anything is written. */
 int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
                   int64_t rd, float *K, float *V, int64_t slots, const int64_t *write, const int64_t *read, int64_t n,
-                  const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale, float *out,
-                  float *scratch, int32_t nthreads) {
+                  const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale,
+                  const float *sinks, float *out, float *scratch, int32_t nthreads) {
     if (slots < 0) return TM_E_ARG;
-    return gqa_decode(qk, qk_ld, v, v_ld, cos, ssin, rd, K, V, write, read, n, pos, B, nh, nkv, hd, scale, out, scratch,
-                      nthreads, slots);
+    return gqa_decode(qk, qk_ld, v, v_ld, cos, ssin, rd, K, V, write, read, n, pos, B, nh, nkv, hd, scale, sinks, out,
+                      scratch, nthreads, slots);
 }
 
 
@@ -1456,6 +1460,7 @@ typedef struct {
     tm_lin_desc qkv, o, gate;         /* gate: the router */
     float *K, *V;                     /* this layer's cache [slots, nkv, hd] */
     int64_t slots;                    /* rows of K / V: every write and read slot is below it */
+    const float *sinks;               /* [nh] attention sinks (gpt-oss), or NULL */
 } tm_layer_t;
 
 typedef struct {
@@ -1597,7 +1602,7 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
             tm_rms_norm(S->qkv + b * ld + nh * hd, 1, nkv * hd, L->k_norm, 1, L->eps, S->qkv + b * ld + nh * hd);
         }
     if ((rc = gqa_decode(S->qkv, ld, S->qkv + nq * hd, ld, L->rd ? S->cos : 0, S->ssin, L->rd, L->K, L->V, S->write,
-                         S->read, S->n, S->pos, B, nh, nkv, hd, L->scale, S->att, S->scores, nt, -2)))
+                         S->read, S->n, S->pos, B, nh, nkv, hd, L->scale, L->sinks, S->att, S->scores, nt, -2)))
         goto done;                                                                   /* att: [B, nh hd] */
     if ((rc = lin_apply(&L->o, S->att, B, S->tmp, nt, S->xq, S->xd, S->cap_B))) goto done;
     for (long i = 0; i < B * H; i++) S->x[i] += S->tmp[i];                          /* the residual */

@@ -12,6 +12,8 @@ import torch
 from cache_policy import cost_model as cm
 from cache_policy.layout import MultiGPU
 
+from .. import kernels
+
 from .layers.cache import kv_block_size
 from .layers.kinds import cache_specs
 
@@ -99,7 +101,6 @@ def dense_kept_bytes(named: dict, dtype, quant: str = "none", host_kernels: "boo
     as stored when stored bf16 (the bf16 GEMV reads it); everything else in ``dtype``. ``named``: name -> tensor
     (meta tensors do). ``host_kernels``: whether the host kernels load (None: ask them)."""
     if host_kernels is None:
-        from .. import kernels
         host_kernels = kernels.lib() is not None
     fast = host_kernels and dtype == torch.float32
     total = 0.0

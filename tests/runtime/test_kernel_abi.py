@@ -260,13 +260,18 @@ def gqa_call(c, **change):
         c["ssin"].data_ptr(), c["rd"], c["K"].data_ptr(), c["V"].data_ptr(), c.get("slots", c["K"].shape[0]),
         c["write"].data_ptr(),
         c["read"].data_ptr(), c["n"], c["pos"].data_ptr(), c["B"], c["nh"], c["nkv"], c["hd"], (c["hd"] or 1) ** -0.5,
-        c["out"].data_ptr(), c["scratch"].data_ptr(), 2)
+        None if c.get("sinks") is None else c["sinks"].data_ptr(), c["out"].data_ptr(), c["scratch"].data_ptr(), 2)
 
 
-def test_gqa_decode_against_torch():
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_gqa_decode_against_torch(with_sinks):
     """RoPE now rotates each channel pair in place (it copied the head into a 4 KB stack array): the
-    output, the cache writes and the rotated q against torch."""
+    output, the cache writes and the rotated q against torch. With sinks (gpt-oss), each head's softmax
+    also takes its sink logit, which carries no value: written out here as transformers' eager attention
+    does it (the sink appended as one more score column, dropped after the softmax)."""
     c = gqa_case()
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])[:c["nh"]] if with_sinks else None
+    c["sinks"] = sinks
     B, nh, nkv, hd, rd = c["B"], c["nh"], c["nkv"], c["hd"], c["rd"]
     qk0 = c["qkv"][:, :(nh + nkv) * hd].reshape(B, nh + nkv, hd).clone()
     v = c["qkv"][:, (nh + nkv) * hd:].reshape(B, nkv, hd).clone()
@@ -281,7 +286,10 @@ def test_gqa_decode_against_torch():
         idx = c["read"][b, :c["pos"][b] + 1]
         for h in range(nh):
             kv = h // (nh // nkv)
-            p = torch.softmax(K[idx, kv] @ qk[b, h] * hd ** -0.5, 0)
+            scores = K[idx, kv] @ qk[b, h] * hd ** -0.5
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h:h + 1]])
+            p = torch.softmax(scores, 0)[:len(idx)]
             want[b, h] = p @ V[idx, kv]
     assert gqa_call(c) == 0
     assert torch.allclose(c["out"], want.reshape(B, -1), atol=1e-5)

@@ -63,16 +63,17 @@ class Attention(Sublayer):
         self._sdpa = self._sdpa_plain if self.sinks is None else self._sdpa_sinks
         self._out = self._out_gated if self.gated else self._out_plain
         # The decode backend, once: the host kernel (RoPE, cache writes and attention of every sequence in
-        # one call) on a CPU with the kernels, float32, no sinks; else the torch ops.
+        # one call, sinks included) on a CPU with the kernels, float32; else the torch ops.
         self._decode = self._decode_host if (kernels.lib() is not None and qkv.device.type == "cpu"
-                                             and dt == torch.float32 and self.sinks is None
+                                             and dt == torch.float32
                                              and (self.rotary_dim or hd) <= 1024) else self._decode_torch
+        self._sinks32 = None if self.sinks is None else self.sinks.float().contiguous()   # [nh], the kernel's
 
     def fused_refusal(self) -> "str | None":
-        """The fused CPU decode (layers/fused.py) takes paged attention with plain RoPE, without sinks or
-        an output gate."""
-        if self.windowed or self.sinks is not None or self.gated:
-            return "sliding-window, sink or gated attention"
+        """The fused CPU decode (layers/fused.py) takes paged or window-ring attention with plain RoPE, sinks
+        or none (gpt-oss), without an output gate."""
+        if self.gated:
+            return "gated attention"
         return None
 
     @classmethod
@@ -229,24 +230,29 @@ class Attention(Sublayer):
         kk, vv = K[ctx.read].transpose(1, 2), V[ctx.read].transpose(1, 2)   # [B, kv, n, hd]
         return self._sdpa(qk[:, :nh, None], kk, vv, decode_mask(ctx)).reshape(B, nh * self.hd)
 
-    def _decode_host(self, qk, v, ctx: ForwardContext, K, V) -> torch.Tensor:
+    def _decode_host(self, qk, v, ctx: ForwardContext, K, V, at: "tuple | None" = None) -> torch.Tensor:
         """Decode on a CPU in one host-kernel call (runtime/kernels: RoPE, the k / v writes and the
-        attention of every sequence and head), in place of ~10 torch ops of a few rows each. The torch
-        path where this step's tensors are laid out otherwise than the kernel reads them."""
+        attention of every sequence and head, sinks included), in place of ~10 torch ops of a few rows each.
+        ``at``: (write [B], read [B, n], pos [B]) rows of K / V [rows, kv, hd] - the paged cache's by default,
+        a window ring's (ring_addressing) for a sliding-window layer. The torch path where this step's
+        tensors are laid out otherwise than the kernel reads them."""
         lib = kernels.lib()
         cos, ssin = ctx.rope_heads
         rd = self.rotary_dim or self.hd
+        write, read, pos = at or (ctx.write, ctx.read, ctx.pos)
         if (qk.stride(2) != 1 or qk.stride(1) != self.hd or v.stride(2) != 1 or v.stride(1) != self.hd
                 or not (K.is_contiguous() and V.is_contiguous() and cos.is_contiguous() and ssin.is_contiguous())
-                or cos.shape[-1] != rd or ctx.read.dtype != torch.int64):
-            return self._decode_torch(qk, v, ctx, K, V)
-        B, n = ctx.read.shape
+                or cos.shape[-1] != rd or read.dtype != torch.int64):
+            return None if at is not None else self._decode_torch(qk, v, ctx, K, V)
+        B, n = read.shape
         out = torch.empty(B, self.nh * self.hd)
         scratch = torch.empty(B * self.nh * n)
+        rows = K.numel() // (self.nkv * self.hd)                         # K / V: [rows, kv, hd] as the kernel reads
         lib.tm_gqa_decode(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(), ssin.data_ptr(), rd,
-                          K.data_ptr(), V.data_ptr(), K.shape[0], ctx.write.data_ptr(), ctx.read.data_ptr(), n,
-                          ctx.pos.data_ptr(), B, self.nh, self.nkv, self.hd, self.hd ** -0.5, out.data_ptr(), scratch.data_ptr(),
-                          kernels.threads())
+                          K.data_ptr(), V.data_ptr(), rows, write.data_ptr(), read.data_ptr(), n,
+                          pos.data_ptr(), B, self.nh, self.nkv, self.hd, self.hd ** -0.5,
+                          None if self._sinks32 is None else self._sinks32.data_ptr(), out.data_ptr(),
+                          scratch.data_ptr(), kernels.threads())
         return out
 
     def _ring(self, qk: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -256,6 +262,11 @@ class Attention(Sublayer):
         nh, hd, W = self.nh, self.hd, self.window
         cache = ctx.kv[self.i]
         RK, RV = cache.k, cache.v                                        # [slots, W, kv, hd]
+        if ctx.decode and self._decode == self._decode_host:
+            # the host kernel over the ring as rows [slots * W, kv, hd] (softmax does not care about order)
+            out = self._decode_host(qk, v, ctx, RK, RV, ring_addressing(ctx, W))
+            if out is not None:
+                return out
         if ctx.decode:
             B = len(ctx.seqs)
             slots = ctx.state
@@ -313,6 +324,21 @@ def decode_mask(ctx: ForwardContext) -> torch.Tensor:
         keys = torch.arange(ctx.read.shape[1], device=ctx.pos.device)[None, :]
         mask = ctx.masks["full"] = (keys <= ctx.pos[:, None])[:, None, None, :]   # mask: [B, 1, 1, n]
     return mask
+
+
+def ring_addressing(ctx: ForwardContext, W: int) -> tuple:
+    """A decode step's rows of the window rings, viewed as one [slots * W, kv, hd] table per layer, for the host
+    kernel: (write [B]: slot * W + pos % W, read [B, W]: the slot's W entries, pos [B]: the last entry to read,
+    min(pos, W - 1) - entries past a young sequence's position are stale). Position p sits at p % W; attention
+    over the entries read is the window (the new token's entry overwrites the one W back). The same for every
+    window layer of the step: made once per forward."""
+    r = ctx.masks.get("ring_at")
+    if r is None:
+        slots = ctx.state.to(torch.int64)
+        r = ctx.masks["ring_at"] = ((slots * W + ctx.pos % W).contiguous(),
+                                    (slots[:, None] * W + torch.arange(W, device=slots.device)[None, :]).contiguous(),
+                                    ctx.pos.clamp(max=W - 1).contiguous())
+    return r
 
 
 def ring_mask(ctx: ForwardContext, W: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ streaming in, waves, more rows than the kernel's GEMV takes) run through the com
 
 It is a backend of the layer objects: ``build_fused`` gives each decoder layer a ``FusedDecode`` (its
 ``forward`` from then on) where the layer's sublayers and the kernel's limits allow, else None and why
-(``why_not``; the sublayers answer for themselves through layers/protocol.py): sliding-window
-or gated attention, sinks, MLA and linear attention, dense MLP layers, LatentMoE, routers other than
+(``why_not``; the sublayers answer for themselves through layers/protocol.py): gated attention, MLA
+and linear attention, dense MLP layers, LatentMoE, routers other than
 softmax -> top-k, top-k -> softmax and sigmoid with group-limited top-k, weights the kernels cannot read
 in place. Those layers run composed in the same step."""
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ... import kernels
+from .attention import ring_addressing
 from .dense import Linear
 from .experts import record_host_share, weighted_sum
 
@@ -45,7 +46,8 @@ class LayerArgs(ctypes.Structure):
                 ("eps", _F), ("scale", _F), ("route_scale", _F),
                 ("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("correction", _P),
                 ("qkv", LinDesc), ("o", LinDesc), ("gate", LinDesc), ("K", _P), ("V", _P),
-                ("slots", _I64)]            # rows of K / V: the C checks every write / read slot below it
+                ("slots", _I64),            # rows of K / V: the C checks every write / read slot below it
+                ("sinks", _P)]              # [nh] float32 attention sinks (gpt-oss), or NULL
 
 
 class StepArgs(ctypes.Structure):
@@ -84,8 +86,9 @@ class StepBuffers:
     (``dims``: hidden, qkv width, attention width, heads, experts, top-k, widest projection input),
     grown with the batch and the context, never shrunk."""
 
-    def __init__(self, dims: tuple) -> None:
+    def __init__(self, dims: tuple, ring: int = 0) -> None:
         self.dims = dims
+        self.ring = ring                   # the widest window ring a fused layer reads (its scores are that long)
         self.B = self.n = 0
         self._views_B = -1
         self.x = self.ctx = None           # the forward the arguments point at (``begin``)
@@ -95,8 +98,8 @@ class StepBuffers:
         """Point the step's arguments at this forward: x [B, hidden] (updated in place), the context's
         slots and rotary angles; (re)allocate the scratch if the step outgrew it."""
         B, n = x.shape[0], ctx.read.shape[1]
-        if B > self.B or n > self.n:
-            self._alloc(max(B, self.B), max(n, 2 * self.n, 64))
+        if B > self.B or max(n, self.ring) > self.n:     # scores: as long as the paged context or a window ring
+            self._alloc(max(B, self.B), max(n, self.ring, 2 * self.n, 64))
         a = self.args
         cos, ssin = ctx.rope_heads
         a.B, a.n, a.x = B, n, x.data_ptr()
@@ -166,6 +169,9 @@ class FusedDecode:
         if block.correction is not None:
             self._keep.append(block.correction.float().reshape(-1).contiguous())
             L.correction = self._keep[-1].data_ptr()
+        if attn.sinks is not None:
+            self._keep.append(attn.sinks.float().contiguous())
+            L.sinks = self._keep[-1].data_ptr()
         L.qkv, L.o, L.gate = lin_desc(attn.qkv), lin_desc(attn.o), lin_desc(block.router)
         self.experts = block.executor.backend               # HostKernelExperts (fused_refusal saw to it)
         self.kernel = block.executor.kernel
@@ -223,7 +229,19 @@ class FusedDecode:
             cache = kv[self.attn.i]
             L.K, L.V = cache.k.data_ptr(), cache.v.data_ptr()
             L.slots = cache.k.numel() // (L.nkv * L.hd)                  # [slots, nkv, hd] rows it holds
-        rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(bufs.args))
+        a = bufs.args
+        if self.attn.windowed:
+            # a window ring [slots, W, kv, hd] read as rows [slots * W, kv, hd]: the step's ring rows in place of
+            # its paged ones for this call (attention.ring_addressing, shared by the step's window layers)
+            write, read, pos = ring_addressing(ctx, self.attn.window)
+            paged = a.write, a.read, a.n, a.pos
+            a.write, a.read, a.n, a.pos = write.data_ptr(), read.data_ptr(), read.shape[1], pos.data_ptr()
+            try:
+                rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
+            finally:
+                a.write, a.read, a.n, a.pos = paged
+        else:
+            rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
         if rc:
             raise RuntimeError(f"tm_attn_block refused layer {self.layer.index} (code {rc})")
 
@@ -259,7 +277,8 @@ def build_fused(layers: list, device) -> list:
     fused = [FusedDecode(layer) if w is None else None for layer, w in zip(layers, why)]
     dims = [f.dims() for f in fused if f is not None]
     if dims:
-        bufs = StepBuffers(tuple(max(d[i] for d in dims) for i in range(7)))
+        ring = max((f.attn.window for f in fused if f is not None and f.attn.windowed), default=0)
+        bufs = StepBuffers(tuple(max(d[i] for d in dims) for i in range(7)), ring)
         for f in fused:
             if f is not None:
                 f.bufs = bufs

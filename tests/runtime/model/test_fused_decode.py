@@ -21,10 +21,10 @@ from conftest import build_hf
 if kernels.lib() is None:
     pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
 
-# architecture -> the layers that decode fused (the others: a dense MLP layer, or a kind the kernel
-# does not take - attention sinks and sliding windows, ERNIE's router)
+# architecture -> the layers that decode fused (the others: a dense MLP layer, or a kind the kernel does not
+# take - ERNIE's router); gpt-oss's sliding-window rings and its sinks fuse too
 FUSED = {"mixtral": [0, 1, 2], "qwen2_moe": [0, 1, 2], "qwen3_moe": [0, 2], "olmoe": [0, 1, 2], "glm4_moe": [1, 2],
-         "minimax_m2": [0, 1, 2], "gpt_oss": [], "ernie4_5_moe": []}
+         "minimax_m2": [0, 1, 2], "gpt_oss": [0, 1, 2], "ernie4_5_moe": []}
 SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe"}
 
 
