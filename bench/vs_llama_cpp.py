@@ -19,9 +19,9 @@ How:
   (loaded into the device tier before timing, LRU, no prefetch), 8-token prompts (prefill_chunk 8), 32
   new tokens; the engine is stepped by hand: decode tokens/s = tokens produced after the step where
   every request had its first token / the time since that step (prefill timed apart). A warm-up run,
-  then the best of two. The 4-bit stores run twice: as stored with float32 activations (the default,
-  exact to float32 rounding), and "fast", the llama.cpp-like setting (FAST): --host-act-quant q8 (8-bit
-  activations, as llama.cpp computes Q4_0 and MXFP4) with --dense-quant matching the GGUF's dense
+  then the best of two. The 4-bit stores run twice: at the CLI's defaults (DEFAULTS: 8-bit activations,
+  as llama.cpp computes Q4_0 and MXFP4; dense weights as stored), and "fast", the llama.cpp-like setting
+  (FAST): --host-act-quant q8 with --dense-quant matching the GGUF's dense
   weights (Q4_0 file: int4, the head int8 where llama.cpp has Q6_K; MXFP4_MOE file: int8, as its Q8_0;
   experts-only files: none). The ratio takes our better one.
 - Interleaved: each rep runs every configuration, llama.cpp and ours alternating which goes first;
@@ -68,7 +68,31 @@ CMAKE_FLAGS = ["-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMA
 # K3-like expert width on the MID architecture: hidden 2048, experts 1024 wide (~1.7 GB in bf16).
 WIDE = dict(decode_speed.MID, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
             num_key_value_heads=4, head_dim=128, moe_intermediate_size=1024)
-SHAPES = {"mid": decode_speed.MID, "wide": WIDE}
+# The shapes off the GQA path (issue 30), hidden 512, 8 layers, 32 experts top-4 as bench/layer_backends.py builds
+# them: MLA (DeepSeek-V3 / Kimi-K2-like: q through a low-rank factor, sigmoid routing, a shared expert, the first
+# layer dense; llama.cpp takes a model without q LoRA only at DeepSeek-V2-Lite's 26-27 layers). "_arch": the
+# transformers class prefix (Qwen3Moe where absent).
+MLA = dict(_arch="DeepseekV3", vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+           num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64,
+           qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+           n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=4096)
+SHAPES = {"mid": decode_speed.MID, "wide": WIDE, "mla": MLA}
+
+
+def n_experts(c: dict) -> int:
+    return c.get("num_experts") or c["n_routed_experts"]
+
+
+def moe_layers(c: dict) -> int:
+    """Layers with routed experts (DeepSeek's first_k_dense_replace layers are dense)."""
+    return c["num_hidden_layers"] - (c.get("first_k_dense_replace") or 0)
+
+
+def attention_desc(c: dict) -> str:
+    if "kv_lora_rank" in c:
+        return (f"MLA: {c['num_attention_heads']} heads, latent {c['kv_lora_rank']}, q/k {c['qk_nope_head_dim']} + "
+                f"rotary {c['qk_rope_head_dim']}, v {c['v_head_dim']}, q LoRA {c.get('q_lora_rank') or 'none'}")
+    return f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads of {c['head_dim']}"
 # ours -> (llama.cpp type, our --quantize, llama.cpp bits per routed weight)
 FORMATS = {"bf16": ("BF16", None, 16.0), "int4": ("Q4_0", "int4", 4.5), "mxfp4": ("MXFP4_MOE", "mxfp4", 4.25),
            # The same bytes on both sides: llama.cpp's routed experts 4-bit, every other weight left bf16, as
@@ -85,8 +109,13 @@ BATCHES, THREADS = (1, 8), (1, 2)
 FAST = {"int4": ("q8", "int4"), "mxfp4": ("q8", "int8"), "int4-x": ("q8", "none"), "mxfp4-x": ("q8", "none")}
 
 
+# Our side's default run: what `tiered-moe generate` / `serve` use (8-bit activations for 4-bit and 8-bit weights
+# since issue 30, dense weights as stored); --host-act-quant none is the exact path.
+DEFAULTS = ("q8", "none")
+
+
 def ours_best(r: dict) -> float:
-    """Our best setting of a configuration: exact, or the llama.cpp-like one where measured."""
+    """Our best setting of a configuration: the defaults, or the llama.cpp-like one where measured."""
     return max(r["ours"], r.get("ours_fast", 0.0))
 
 
@@ -231,9 +260,11 @@ def build_hf(cfg: dict, hf: str) -> None:
     if os.path.exists(os.path.join(hf, "tokenizer_config.json")):
         return
     import transformers
-    log(f"building the Qwen3-MoE checkpoint {hf}")
+    cfg = dict(cfg)
+    arch = cfg.pop("_arch", "Qwen3Moe")
+    log(f"building the {arch} checkpoint {hf}")
     torch.manual_seed(0)
-    m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg)).eval()
+    m = getattr(transformers, arch + "ForCausalLM")(getattr(transformers, arch + "Config")(**cfg)).eval()
     with torch.no_grad():
         for n, p in m.named_parameters():
             if "norm" not in n:
@@ -352,8 +383,8 @@ def run_pairs(bindir: str, items: list, reps: int) -> dict:
             for b in BATCHES:
                 for t in THREADS:
                     key = (shape, fmt, b, t)
-                    # 4-bit stores run twice on our side: as stored with float32 activations (the default,
-                    # exact) and FAST's llama.cpp-like setting
+                    # 4-bit stores run twice on our side: at the CLI's defaults (DEFAULTS) and FAST's
+                    # llama.cpp-like setting
                     sides = ("ours", "ours_fast") if fmt in FAST else ("ours",)
                     cur = best.setdefault(key, {"llama": 0.0, "llama_runs": [], **{x: 0.0 for x in sides},
                                                 **{x + "_runs": [] for x in sides}})
@@ -364,7 +395,7 @@ def run_pairs(bindir: str, items: list, reps: int) -> dict:
                             build = bs or build
                         else:
                             r, cur[side + "_dense_bytes"] = ours_rate(
-                                store, b, t, *(FAST[fmt] if side == "ours_fast" else ("none", "none")))
+                                store, b, t, *(FAST[fmt] if side == "ours_fast" else DEFAULTS))
                         cur[side] = max(cur[side], r)
                         cur[side + "_runs"].append(r)
                         log(f"rep {rep} {shape} {fmt} batch {b} threads {t} {side}: {r:.1f} tok/s")
@@ -396,10 +427,10 @@ def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> 
                      f"{FORMATS[f][1] or 'bf16'} store" for f in formats) + ".\n\n"]
     for s in shapes:
         c = SHAPES[s]
-        L += [f"## {s}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers x {c['num_experts']} experts top-"
-              f"{c['num_experts_per_tok']}, expert width {c['moe_intermediate_size']}, {c['num_attention_heads']}/"
-              f"{c['num_key_value_heads']} heads of {c['head_dim']}, vocab {c['vocab_size']}\n\n",
-              "| weights | batch | threads | llama.cpp tok/s | tiered-moe tok/s | tiered-moe fast tok/s "
+        L += [f"## {s}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers ({moe_layers(c)} with experts) x "
+              f"{n_experts(c)} experts top-{c['num_experts_per_tok']}, expert width {c['moe_intermediate_size']}, "
+              f"{attention_desc(c)}, vocab {c['vocab_size']}\n\n",
+              "| weights | batch | threads | llama.cpp tok/s | tiered-moe defaults tok/s | tiered-moe fast tok/s "
               "| best tiered-moe / llama.cpp |\n", "|---|---|---|---|---|---|---|\n"]
         for f in formats:
             for b in BATCHES:
@@ -442,7 +473,7 @@ def bandwidth_section(best, bw, meta, shapes, formats) -> list:
     for s in shapes:
         c = SHAPES[s]
         for f in formats:
-            per_tok = c["num_hidden_layers"] * c["num_experts_per_tok"]     # routed experts one token reads
+            per_tok = moe_layers(c) * c["num_experts_per_tok"]              # routed experts one token reads
             ob = per_tok * meta["blob_bytes"][f"{s}/{f}"]
             lb = per_tok * 3 * c["hidden_size"] * c["moe_intermediate_size"] * FORMATS[f][2] / 8
             r = max((best[(s, f, 1, t)] for t in THREADS), key=ours_best)       # our best run at batch 1

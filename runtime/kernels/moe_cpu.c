@@ -74,7 +74,7 @@ typedef struct {
 /* The ABI's version: runtime/kernels/__init__.py refuses a library of another one (the cache key is the
  * source, so only a library from elsewhere can be stale). 3: capacities in tm_moe_t / tm_lin_t /
  * tm_layer_t / tm_step_t, and error codes from every entry point. */
-int tm_version(void) { return 4; }
+int tm_version(void) { return 5; }
 
 /* Error codes of the exported entry points, all checked before any work (O(experts + rows + keys),
  * never per element). runtime/kernels/__init__.py mirrors the numbers and raises KernelError naming the
@@ -1449,7 +1449,7 @@ static int lin_apply(const tm_lin_desc *d, const float *x, long n, float *y, int
     return 0;
 }
 
-enum { R_SOFTMAX_TOPK = 0, R_TOPK_SOFTMAX = 1, R_SIGMOID_GROUP = 2, R_NONE = -1 };
+enum { R_SOFTMAX_TOPK = 0, R_TOPK_SOFTMAX = 1, R_SIGMOID_GROUP = 2, R_SOFTMAX_GROUP = 3, R_NONE = -1 };
 
 typedef struct {
     int32_t H, nh, nkv, hd, rd;       /* rd: rotary channels of a head (RoPE on the first rd) */
@@ -1496,17 +1496,42 @@ static void topk_desc(const float *v, int E, int k, int64_t *ids) {
     }
 }
 
-/* tmp: [2E + G] floats, keep: [G] (G = n_group), from tm_attn_block's heap block */
+/* sel [E] outside the best topk_group of n_group groups set to -inf; a group's score: the sum of its best two
+ * (two = 1: its best). gs: [G] scratch, keep: [G] */
+static void group_mask(const tm_layer_t *L, float *sel, int two, float *gs, int64_t *keep) {
+    const int E = L->E, G = L->n_group, per = E / G;
+    two = per < two ? per : two;
+    for (int g = 0; g < G; g++) {
+        int64_t t2[2];
+        topk_desc(sel + g * per, per, two, t2);
+        gs[g] = 0.0f;
+        for (int i = 0; i < two; i++) gs[g] += sel[g * per + t2[i]];
+    }
+    topk_desc(gs, G, L->topk_group, keep);
+    for (int g = 0; g < G; g++) {
+        int kept = 0;
+        for (int i = 0; i < L->topk_group; i++) kept |= keep[i] == g;
+        if (!kept) for (int e = g * per; e < (g + 1) * per; e++) sel[e] = -INFINITY;
+    }
+}
+
+/* tmp: [2E + G] floats, keep: [G] (G = n_group), from block_tail's heap block; runtime/model/layers/router.py's
+ * functions of the same names */
 static void route_row(const tm_layer_t *L, const float *lg, int64_t *ids, float *w, float *tmp, int64_t *keep) {
     const int E = L->E, k = L->k;
-    if (L->router == R_SOFTMAX_TOPK || L->router == R_TOPK_SOFTMAX) {
+    if (L->router == R_SOFTMAX_TOPK || L->router == R_TOPK_SOFTMAX || L->router == R_SOFTMAX_GROUP) {
         float mx = -INFINITY;
         for (int e = 0; e < E; e++) mx = lg[e] > mx ? lg[e] : mx;
-        if (L->router == R_SOFTMAX_TOPK) {
-            float sum = 0.0f;
+        if (L->router != R_TOPK_SOFTMAX) {
+            float sum = 0.0f, *sel = tmp + E;
             for (int e = 0; e < E; e++) { tmp[e] = expf(lg[e] - mx); sum += tmp[e]; }
             for (int e = 0; e < E; e++) tmp[e] /= sum;
-            topk_desc(tmp, E, k, ids);
+            if (L->router == R_SOFTMAX_GROUP && L->n_group > 1) {   /* DeepSeek-V2: groups by their best expert */
+                memcpy(sel, tmp, E * sizeof(float));
+                group_mask(L, sel, 1, tmp + 2 * E, keep);
+                topk_desc(sel, E, k, ids);
+            } else
+                topk_desc(tmp, E, k, ids);
             float ws = 0.0f;
             for (int j = 0; j < k; j++) { w[j] = tmp[ids[j]]; ws += w[j]; }
             if (L->renorm) for (int j = 0; j < k; j++) w[j] /= ws;
@@ -1516,25 +1541,10 @@ static void route_row(const tm_layer_t *L, const float *lg, int64_t *ids, float 
             for (int j = 0; j < k; j++) { w[j] = expf(lg[ids[j]] - m2); sum += w[j]; }
             for (int j = 0; j < k; j++) w[j] /= sum;
         }
-    } else {              /* sigmoid, selection on score + correction within the best groups */
+    } else {              /* sigmoid, selection on score + correction within the best groups (by their best two) */
         float *sc = tmp, *sel = tmp + E;
         for (int e = 0; e < E; e++) { sc[e] = 1.0f / (1.0f + expf(-lg[e])); sel[e] = sc[e] + (L->correction ? L->correction[e] : 0.0f); }
-        if (L->n_group > 1) {
-            const int G = L->n_group, per = E / G, two = per < 2 ? per : 2;
-            float *gs = tmp + 2 * E;
-            for (int g = 0; g < G; g++) {
-                int64_t t2[2];
-                topk_desc(sel + g * per, per, two, t2);
-                gs[g] = 0.0f;
-                for (int i = 0; i < two; i++) gs[g] += sel[g * per + t2[i]];
-            }
-            topk_desc(gs, G, L->topk_group, keep);
-            for (int g = 0; g < G; g++) {
-                int kept = 0;
-                for (int i = 0; i < L->topk_group; i++) kept |= keep[i] == g;
-                if (!kept) for (int e = g * per; e < (g + 1) * per; e++) sel[e] = -INFINITY;
-            }
-        }
+        if (L->n_group > 1) group_mask(L, sel, 2, tmp + 2 * E, keep);
         topk_desc(sel, E, k, ids);
         float ws = 0.0f;
         for (int j = 0; j < k; j++) { w[j] = sc[ids[j]]; ws += w[j]; }
@@ -1550,41 +1560,52 @@ static int desc_check(const tm_lin_desc *d, int64_t K, int64_t N) {
 
 /* The layer's sizes against each other and against the step's scratch, then the positions and slots:
  * everything tm_attn_block indexes, before it writes anything. */
-static int attn_check(const tm_layer_t *L, const tm_step_t *S) {
-    const int64_t B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd;
-    if (B < 0 || H <= 0 || nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || L->rd < 0 || L->rd > hd || L->rd % 2
-        || L->qk_norm < 0 || L->qk_norm > 2 || L->router < R_NONE || L->router > R_SIGMOID_GROUP)
-        return TM_E_ARG;
+/* What every attention kind's block shares: the router's codes, the o projection (att_w -> H) and the gate
+ * against the layer, the step's common scratch, the buffers the residual, the norms and the dispatch use. */
+static int block_check(const tm_layer_t *L, const tm_step_t *S, int64_t att_w) {
+    const int64_t B = S->B, H = L->H;
+    if (B < 0 || H <= 0 || L->nh <= 0 || L->router < R_NONE || L->router > R_SOFTMAX_GROUP) return TM_E_ARG;
     if (L->router >= 0 && (L->E <= 0 || L->k <= 0 || L->k > L->E)) return TM_E_ARG;
-    if (L->router == R_SIGMOID_GROUP && L->n_group > 1
+    if ((L->router == R_SIGMOID_GROUP || L->router == R_SOFTMAX_GROUP) && L->n_group > 1
         && (L->E % L->n_group || L->topk_group <= 0 || L->topk_group > L->n_group))
         return TM_E_ARG;
-    const int64_t ld = (nh + 2 * nkv) * hd, E = L->router >= 0 ? L->E : L->gate.N;
+    const int64_t E = L->router >= 0 ? L->E : L->gate.N;
     int rc;
-    if ((rc = desc_check(&L->qkv, H, ld)) || (rc = desc_check(&L->o, nh * hd, H)) || (rc = desc_check(&L->gate, H, E)))
-        return rc;
-    if (B > S->cap_B || S->n > S->cap_n || H > S->cap_H || ld > S->cap_qkv || nh * hd > S->cap_att || nh > S->cap_heads
-        || E > S->cap_E || (L->router >= 0 && L->k > S->cap_k) || H > S->cap_K || nh * hd > S->cap_K)
+    if ((rc = desc_check(&L->o, att_w, H)) || (rc = desc_check(&L->gate, H, E))) return rc;
+    if (B > S->cap_B || S->n > S->cap_n || H > S->cap_H || att_w > S->cap_att || L->nh > S->cap_heads || E > S->cap_E
+        || (L->router >= 0 && L->k > S->cap_k) || H > S->cap_K || att_w > S->cap_K)
         return TM_E_SCRATCH;
     if (!B) return 0;
     if (!S->x || !S->h || !S->qkv || !S->att || !S->tmp || !S->scores || !S->logits || !S->xq || !S->xd || !L->in_norm
-        || !L->post_norm || !L->K || !L->V || (L->qk_norm && !L->q_norm) || (L->qk_norm == 2 && !L->k_norm)
-        || (L->rd && (!S->cos || !S->ssin)))
+        || !L->post_norm)
         return TM_E_NULL;
     if (L->router >= 0 && (!S->ids || !S->wts || !S->n_used || !S->used || !S->counts || !S->row0 || !S->rows
                            || !S->tok || !S->back))
         return TM_E_NULL;
-    if (L->slots < 0) return TM_E_ARG;
     if (S->n <= 0 || !S->write || !S->read || !S->pos) return S->n <= 0 ? TM_E_ARG : TM_E_NULL;
+    return 0;
+}
+
+static int attn_check(const tm_layer_t *L, const tm_step_t *S) {
+    const int64_t B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd;
+    if (nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || L->rd < 0 || L->rd > hd || L->rd % 2 || L->qk_norm < 0
+        || L->qk_norm > 2)
+        return TM_E_ARG;
+    int rc = block_check(L, S, nh * hd);
+    if (rc || !B) return rc;
+    const int64_t ld = (nh + 2 * nkv) * hd;
+    if ((rc = desc_check(&L->qkv, H, ld))) return rc;
+    if (ld > S->cap_qkv) return TM_E_SCRATCH;
+    if (!L->K || !L->V || (L->qk_norm && !L->q_norm) || (L->qk_norm == 2 && !L->k_norm) || (L->rd && (!S->cos || !S->ssin)))
+        return TM_E_NULL;
+    if (L->slots < 0) return TM_E_ARG;
     return gqa_check(S->write, S->read, S->n, S->pos, B, L->slots);
 }
 
-int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
-    if (!L || !S) return TM_E_NULL;
-    int rc = attn_check(L, S);
-    if (rc || !S->B) return rc;
-    const long B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, nq = nh + nkv, ld = (nh + 2 * nkv) * hd;
-    const int nt = S->nthreads > 0 ? S->nthreads : 1;
+/* The block's tail, after its attention wrote att [B, att_w]: x += o(att), h = rmsnorm(x), the router's
+ * logits, its top-k and the dispatch (a stable counting sort of the (token, slot) pairs by expert). */
+static int block_tail(const tm_layer_t *L, const tm_step_t *S, const float *att, int nt) {
+    const long B = S->B, H = L->H;
     /* The router's per-row scratch and the sort's cursors on the heap (they were ~100 KB of stack arrays
      * sized for 4096 experts, on whatever thread called): one block per call, before any work. */
     const long E = L->router >= 0 ? L->E : 0, k = L->k, G = L->n_group > 1 ? L->n_group : 1;
@@ -1592,25 +1613,13 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
     if (L->router >= 0 && !(blk = malloc((2 * E + G) * sizeof(float) + (E + G) * sizeof(int64_t)))) return TM_E_NOMEM;
     int64_t *start = (int64_t *)blk, *keep = start + E;
     float *rtmp = (float *)(keep + G);
-    tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                          /* h: [B, H] */
-    if ((rc = lin_apply(&L->qkv, S->h, B, S->qkv, nt, S->xq, S->xd, S->cap_B))) goto done;   /* qkv: [B, ld] */
-    if (L->qk_norm == 1)
-        for (long b = 0; b < B; b++) tm_rms_norm(S->qkv + b * ld, nq, hd, L->q_norm, nq, L->eps, S->qkv + b * ld);
-    else if (L->qk_norm == 2)
-        for (long b = 0; b < B; b++) {
-            tm_rms_norm(S->qkv + b * ld, 1, nh * hd, L->q_norm, 1, L->eps, S->qkv + b * ld);
-            tm_rms_norm(S->qkv + b * ld + nh * hd, 1, nkv * hd, L->k_norm, 1, L->eps, S->qkv + b * ld + nh * hd);
-        }
-    if ((rc = gqa_decode(S->qkv, ld, S->qkv + nq * hd, ld, L->rd ? S->cos : 0, S->ssin, L->rd, L->K, L->V, S->write,
-                         S->read, S->n, S->pos, B, nh, nkv, hd, L->scale, L->sinks, S->att, S->scores, nt, -2)))
-        goto done;                                                                   /* att: [B, nh hd] */
-    if ((rc = lin_apply(&L->o, S->att, B, S->tmp, nt, S->xq, S->xd, S->cap_B))) goto done;
+    int rc;
+    if ((rc = lin_apply(&L->o, att, B, S->tmp, nt, S->xq, S->xd, S->cap_B))) goto done;
     for (long i = 0; i < B * H; i++) S->x[i] += S->tmp[i];                          /* the residual */
     tm_rms_norm(S->x, B, H, L->post_norm, 1, L->eps, S->h);
     if ((rc = lin_apply(&L->gate, S->h, B, S->logits, nt, S->xq, S->xd, S->cap_B))) goto done;   /* logits: [B, E] */
     if (L->router < 0) goto done;
     for (long b = 0; b < B; b++) route_row(L, S->logits + b * E, S->ids + b * k, S->wts + b * k, rtmp, keep);
-    /* dispatch: a stable counting sort of the (token, slot) pairs by expert */
     for (long e = 0; e < E; e++) S->counts[e] = 0;
     for (long i = 0; i < B * k; i++) S->counts[S->ids[i]]++;
     long nu = 0, off = 0;
@@ -1628,4 +1637,163 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
 done:
     free(blk);
     return rc;
+}
+
+int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
+    if (!L || !S) return TM_E_NULL;
+    int rc = attn_check(L, S);
+    if (rc || !S->B) return rc;
+    const long B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, nq = nh + nkv, ld = (nh + 2 * nkv) * hd;
+    const int nt = S->nthreads > 0 ? S->nthreads : 1;
+    tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                          /* h: [B, H] */
+    if ((rc = lin_apply(&L->qkv, S->h, B, S->qkv, nt, S->xq, S->xd, S->cap_B))) return rc;   /* qkv: [B, ld] */
+    if (L->qk_norm == 1)
+        for (long b = 0; b < B; b++) tm_rms_norm(S->qkv + b * ld, nq, hd, L->q_norm, nq, L->eps, S->qkv + b * ld);
+    else if (L->qk_norm == 2)
+        for (long b = 0; b < B; b++) {
+            tm_rms_norm(S->qkv + b * ld, 1, nh * hd, L->q_norm, 1, L->eps, S->qkv + b * ld);
+            tm_rms_norm(S->qkv + b * ld + nh * hd, 1, nkv * hd, L->k_norm, 1, L->eps, S->qkv + b * ld + nh * hd);
+        }
+    if ((rc = gqa_decode(S->qkv, ld, S->qkv + nq * hd, ld, L->rd ? S->cos : 0, S->ssin, L->rd, L->K, L->V, S->write,
+                         S->read, S->n, S->pos, B, nh, nkv, hd, L->scale, L->sinks, S->att, S->scores, nt, -2)))
+        return rc;                                                                   /* att: [B, nh hd] */
+    return block_tail(L, S, S->att, nt);
+}
+
+
+/* ---- one MLA decoder layer's attention at decode (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, Kimi-Linear) ----
+ * runtime/model/layers/mla.py's decode in one call: h = rmsnorm(x); q (through q_a, its norm and q_b, or one
+ * q_proj); the latent and shared rotary key from kv_a (latent normed), both rotated; the cache row written;
+ * attention in the latent space with kv_b absorbed (its key half into the query, its value half after the
+ * weighted sum), so cached latents are never expanded per head; then block_tail (o, residual, router,
+ * dispatch) as for GQA. */
+typedef struct {
+    int32_t nope, rope, vd, lat;      /* per head: q/k channels without and with rotation, v; the latent's width */
+    int32_t q_lora;                   /* q's low-rank width (q_a -> norm -> q), or 0: q is one projection of h */
+    int32_t rot;                      /* 0 none (Kimi-Linear), 1 rotate-half pairs (i, i + rope/2), 2 DeepSeek's (2i, 2i+1) */
+    float lat_eps;                    /* the latent norms' eps */
+    tm_lin_desc q_a, q, kv_a;
+    const float *q_a_norm, *kv_a_norm;  /* [q_lora], [lat] */
+    const float *kv_b;                /* [nh (nope + vd), lat] float32: each head's nope key rows, then its v rows */
+    float *cache;                     /* [slots, lat + rope]: the normed latent, then the rotated shared key */
+    int64_t slots;
+} tm_mla_t;
+
+/* y[i] += a x[i] */
+static inline void axpy_f32(float *y, float a, const float *x, long n) {
+    const __m256 va = _mm256_set1_ps(a);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* x [rd] rotated in place by cos / signed sin [rd] (layers/rope.py: _rotate or rope_interleaved, the latter's
+ * output in the concatenated layout the composed path caches); t: [rd] scratch */
+static void rope_rows(float *x, long rd, const float *c, const float *sn, int mode, float *t) {
+    const long half = rd / 2;
+    if (mode == 1)
+        for (long i = 0; i < half; i++) {
+            const float lo = x[i], hi = x[i + half];
+            x[i] = lo * c[i] + hi * sn[i];
+            x[i + half] = hi * c[i + half] + lo * sn[i + half];
+        }
+    else if (mode == 2) {
+        for (long i = 0; i < half; i++) {
+            const float x1 = x[2 * i], x2 = x[2 * i + 1];
+            t[i] = x1 * c[i] + x2 * sn[i];
+            t[i + half] = x2 * c[i + half] + x1 * sn[i + half];
+        }
+        memcpy(x, t, rd * sizeof(float));
+    }
+}
+
+typedef struct {
+    const tm_layer_t *L; const tm_mla_t *M; const tm_step_t *S;
+    const float *q; float *qlat, *lctx, *out;
+} mla_job_t;
+
+static void mla_job(void *arg, int ith, int nth, tm_bar *bar) {
+    const mla_job_t *J = (const mla_job_t *)arg;
+    const tm_mla_t *M = J->M;
+    const tm_step_t *S = J->S;
+    const long nh = J->L->nh, nope = M->nope, rope = M->rope, vd = M->vd, lat = M->lat, w = lat + rope, n = S->n;
+    const long qk = nope + rope, kvw = nope + vd;
+    const float scale = J->L->scale;
+    (void)bar;
+    SPLIT(S->B * nh, t0, t1);
+    for (long t = t0; t < t1; t++) {
+        const long b = t / nh, h = t % nh, m = S->pos[b] + 1;
+        const float *q = J->q + t * qk, *wk = M->kv_b + h * kvw * lat;     /* wk: [nope + vd, lat] this head's */
+        float *ql = J->qlat + t * lat, *lc = J->lctx + t * lat, *p = S->scores + t * n;
+        memset(ql, 0, lat * sizeof(float));
+        for (long d = 0; d < nope; d++) axpy_f32(ql, q[d], wk + d * lat, lat);    /* q_lat = q_nope wk[:nope] */
+        float mx = -INFINITY;
+        for (long j = 0; j < m; j++) {
+            const float *c = M->cache + S->read[b * n + j] * w;
+            p[j] = (dot_f32(ql, c, lat) + dot_f32(q + nope, c + lat, rope)) * scale;
+            mx = p[j] > mx ? p[j] : mx;
+        }
+        float sum = 0.0f;
+        for (long j = 0; j < m; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+        const float inv = 1.0f / sum;
+        memset(lc, 0, lat * sizeof(float));
+        for (long j = 0; j < m; j++) axpy_f32(lc, p[j] * inv, M->cache + S->read[b * n + j] * w, lat);
+        float *o = J->out + t * vd;                                          /* out: [B, nh, vd] */
+        for (long v = 0; v < vd; v++) o[v] = dot_f32(lc, wk + (nope + v) * lat, lat);
+    }
+}
+
+/* Scratch: qkv holds q [B, nh (nope + rope)], then the latent rows [B, lat + rope], then q_a's [B, q_lora]
+ * (the layer's qkv width is their sum per row); att holds out [B, nh vd], then the absorbed queries and the
+ * latent contexts [B, nh, lat] each (width nh (vd + 2 lat)). */
+static int mla_check(const tm_layer_t *L, const tm_mla_t *M, const tm_step_t *S) {
+    const int64_t B = S->B, H = L->H, nh = L->nh;
+    if (M->nope < 0 || M->rope < 0 || M->rope % 2 || M->rope > 1024 || M->nope + M->rope <= 0 || M->vd <= 0
+        || M->lat <= 0 || M->q_lora < 0 || M->rot < 0 || M->rot > 2)
+        return TM_E_ARG;
+    int rc = block_check(L, S, nh * M->vd);
+    if (rc || !B) return rc;
+    const int64_t qk = M->nope + M->rope, w = M->lat + M->rope;
+    if ((M->q_lora && (rc = desc_check(&M->q_a, H, M->q_lora))) || (rc = desc_check(&M->q, M->q_lora ? M->q_lora : H, nh * qk))
+        || (rc = desc_check(&M->kv_a, H, w)))
+        return rc;
+    if (nh * qk + w + M->q_lora > S->cap_qkv || nh * (M->vd + 2 * M->lat) > S->cap_att || M->q_lora > S->cap_K)
+        return TM_E_SCRATCH;
+    if (!M->kv_a_norm || !M->kv_b || !M->cache || (M->q_lora && !M->q_a_norm) || (M->rot && (!S->cos || !S->ssin)))
+        return TM_E_NULL;
+    if (M->slots < 0) return TM_E_ARG;
+    return gqa_check(S->write, S->read, S->n, S->pos, B, M->slots);
+}
+
+int tm_mla_block(const tm_layer_t *L, const tm_mla_t *M, const tm_step_t *S) {
+    if (!L || !M || !S) return TM_E_NULL;
+    int rc = mla_check(L, M, S);
+    if (rc || !S->B) return rc;
+    const long B = S->B, H = L->H, nh = L->nh, rope = M->rope, lat = M->lat, w = lat + rope, qk = M->nope + rope;
+    const long ql = M->q_lora;
+    const int nt = S->nthreads > 0 ? S->nthreads : 1;
+    float *q = S->qkv, *ckv = q + B * nh * qk, *qa = ckv + B * w;       /* q: [B, nh, qk]; ckv: [B, w]; qa: [B, ql] */
+    float *out = S->att, *qlat = out + B * nh * M->vd, *lctx = qlat + B * nh * lat;
+    float t[1024];                                                       /* interleaved rotation's scratch (rope <= 1024) */
+    tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                  /* h: [B, H] */
+    if (ql) {
+        if ((rc = lin_apply(&M->q_a, S->h, B, qa, nt, S->xq, S->xd, S->cap_B))) return rc;
+        tm_rms_norm(qa, B, ql, M->q_a_norm, 1, M->lat_eps, qa);
+        if ((rc = lin_apply(&M->q, qa, B, q, nt, S->xq, S->xd, S->cap_B))) return rc;
+    } else if ((rc = lin_apply(&M->q, S->h, B, q, nt, S->xq, S->xd, S->cap_B)))
+        return rc;
+    if ((rc = lin_apply(&M->kv_a, S->h, B, ckv, nt, S->xq, S->xd, S->cap_B))) return rc;
+    for (long b = 0; b < B; b++) {
+        float *row = ckv + b * w;
+        tm_rms_norm(row, 1, lat, M->kv_a_norm, 1, M->lat_eps, row);
+        if (M->rot) {
+            const float *c = S->cos + b * rope, *sn = S->ssin + b * rope;
+            rope_rows(row + lat, rope, c, sn, M->rot, t);
+            for (long h = 0; h < nh; h++) rope_rows(q + (b * nh + h) * qk + M->nope, rope, c, sn, M->rot, t);
+        }
+        memcpy(M->cache + S->write[b] * w, row, w * sizeof(float));
+    }
+    mla_job_t j = {L, M, S, q, qlat, lctx, out};
+    pool_run(mla_job, &j, (int)(nt < B * nh ? nt : B * nh));
+    return block_tail(L, S, out, nt);
 }

@@ -371,7 +371,7 @@ def attn_call(t) -> int:
 
 
 @pytest.mark.parametrize("router,n_group,topk_group", [("softmax_topk", 1, 1), ("topk_softmax", 1, 1),
-                                                       ("sigmoid_group", 4, 2)])
+                                                       ("sigmoid_group", 4, 2), ("softmax_group", 4, 2)])
 def test_attn_block_dispatch(router, n_group, topk_group):
     """A valid call (the router's scratch now on the heap): each (token, slot) sorted once by expert."""
     t = attn_case(router, n_group=n_group, topk_group=topk_group)
@@ -383,8 +383,22 @@ def test_attn_block_dispatch(router, n_group, topk_group):
     assert o["rows"][:nu].sum().item() == B * k and sorted(o["back"].tolist()) == list(range(B * k))
     for i in range(B * k):                       # the sorted row of (token, slot) i holds token i // k
         assert o["tok"][o["back"][i]].item() == i // k
-    if router == "sigmoid_group":                # every chosen expert in one of the top-2 of 4 groups
+    if n_group > 1:                              # every chosen expert in one of the top-2 of 4 groups
         assert all(len({e // 2 for e in r.tolist()}) <= 2 for r in ids)
+
+
+def refused_before_work(t, where, change, call, cache_key) -> int:
+    """Apply ``change`` to the case's step tensors ("c") or argument struct ("L", "S", "M"), call, and check
+    that x and the cache are untouched; returns the call's code."""
+    for name, v in change.items():
+        if where == "c":
+            t["c"][name].copy_(v)
+        else:
+            setattr(t[where], name, v)
+    x, cache = t["x"].clone(), t[cache_key].clone()
+    code = call(t)
+    assert torch.equal(t["x"], x) and torch.equal(t[cache_key], cache)    # refused before any work
+    return code
 
 
 @pytest.mark.parametrize("where,change,code", [
@@ -405,16 +419,122 @@ def test_attn_block_dispatch(router, n_group, topk_group):
     ("L", {"H": 63}, kernels.E_LAYOUT),
 ])
 def test_attn_block_refuses(where, change, code):
-    t = attn_case()
-    if where == "c":
-        for name, v in change.items():
-            t["c"][name].copy_(v)
-    else:
-        for name, v in change.items():
-            setattr(t[where], name, v)
-    x, cache = t["x"].clone(), t["cache_k"].clone()
-    assert attn_call(t) == code            # (layers/fused.py raises on it, naming the layer)
-    assert torch.equal(t["x"], x) and torch.equal(t["cache_k"], cache)    # refused before any work
+    # (layers/fused.py raises on the code, naming the layer)
+    assert refused_before_work(attn_case(), where, change, attn_call, "cache_k") == code
+
+
+# ---- tm_mla_block ----------------------------------------------------------------------------------------
+
+def _rms(x, w, eps):
+    return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def _rope_ref(x, ang, mode):
+    """The rotations by definition: "half" pairs channel i with i + d/2; "interleaved" (DeepSeek) pairs 2i with
+    2i+1 and writes the pair's two results at i and i + d/2; "none" leaves x."""
+    if mode == "none":
+        return x
+    c, s_ = ang.cos(), ang.sin()
+    a, b = (x[..., 0::2], x[..., 1::2]) if mode == "interleaved" else x.chunk(2, dim=-1)
+    return torch.cat([a * c - b * s_, b * c + a * s_], dim=-1)
+
+
+def mla_case(rot="interleaved", q_lora=24, B=2, n=6, slots=16):
+    """An MLA layer with float32 input-major projections and no router (the block stops at the logits), the
+    step over gqa_case's slots, and the reference: each head's keys and values expanded from the cached
+    latents through kv_b (no absorption), softmax attention, x + o(attention)."""
+    from runtime.model.layers.fused import MLA_ROT, LayerArgs, MLAArgs, StepArgs
+    g = torch.Generator().manual_seed(3)
+    H, nh, nope, rope, vd, lat, E = 64, 2, 16, 8, 16, 32, 8
+    qk, w = nope + rope, lat + rope
+    keep = []
+
+    def t(*shape, scale=1.0):
+        keep.append((torch.randn(*shape, generator=g) * scale).contiguous())
+        return keep[-1]
+
+    def lin(d, K_, N_):
+        d.kind, d.K, d.N, d.W = 0, K_, N_, t(K_, N_, scale=K_ ** -0.5).data_ptr()
+        return keep[-1]
+
+    L, M, S = LayerArgs(), MLAArgs(), StepArgs()
+    L.H, L.nh, L.nkv, L.hd, L.E, L.k, L.router = H, nh, 1, qk, E, 1, -1
+    L.eps, L.scale, L.route_scale = 1e-5, qk ** -0.5, 1.0
+    in_norm, post_norm = t(H).abs_(), t(H).abs_()
+    L.in_norm, L.post_norm = in_norm.data_ptr(), post_norm.data_ptr()
+    Wo, _ = lin(L.o, nh * vd, H), lin(L.gate, H, E)
+    M.nope, M.rope, M.vd, M.lat, M.q_lora, M.rot, M.lat_eps = nope, rope, vd, lat, q_lora, MLA_ROT[rot], 1e-6
+    Wqa = lin(M.q_a, H, q_lora) if q_lora else None
+    qa_norm = t(q_lora).abs_() if q_lora else None
+    M.q_a_norm = qa_norm.data_ptr() if q_lora else None
+    Wq, Wkva = lin(M.q, q_lora or H, nh * qk), lin(M.kv_a, H, w)
+    kva_norm, kv_b = t(lat).abs_(), t(nh * (nope + vd), lat, scale=lat ** -0.5)
+    M.kv_a_norm, M.kv_b = kva_norm.data_ptr(), kv_b.data_ptr()
+    cache = t(slots, w)
+    M.cache, M.slots = cache.data_ptr(), slots
+    c = gqa_case(B=B, rd=rope, n=n, slots=slots)
+    ang = torch.rand(B, rope // 2, generator=g) * 6
+    cos, ssin = torch.cat([ang.cos(), ang.cos()], 1).contiguous(), torch.cat([-ang.sin(), ang.sin()], 1).contiguous()
+    x = t(B, H)
+    keep += [cos, ssin, c["write"], c["read"], c["pos"]]
+    S.B, S.n, S.nthreads, S.x, S.cos, S.ssin = B, n, 2, x.data_ptr(), cos.data_ptr(), ssin.data_ptr()
+    S.write, S.read, S.pos = c["write"].data_ptr(), c["read"].data_ptr(), c["pos"].data_ptr()
+    qkv_w, att_w, K_max = nh * qk + w + q_lora, nh * (vd + 2 * lat), max(H, nh * vd, q_lora)
+    for name, numel in (("h", B * H), ("qkv", B * qkv_w), ("att", B * att_w), ("tmp", B * H), ("scores", B * nh * n),
+                        ("logits", B * E), ("wts", B), ("xd", B * kernels.lib().tm_q8_ldd(K_max))):
+        setattr(S, name, t(numel).data_ptr())
+    keep.append(torch.zeros(B * K_max, dtype=torch.int8))
+    S.xq = keep[-1].data_ptr()
+    S.cap_B, S.cap_n, S.cap_H, S.cap_qkv, S.cap_att, S.cap_heads, S.cap_E, S.cap_k, S.cap_K = \
+        B, n, H, qkv_w, att_w, nh, E, 1, K_max
+
+    # the reference, on copies taken before the call
+    xr, cr = x.clone(), cache.clone()
+    h = _rms(xr, in_norm, L.eps)
+    q = (_rms(h @ Wqa, qa_norm, 1e-6) @ Wq if q_lora else h @ Wq).view(B, nh, qk)
+    ckv = h @ Wkva
+    for b in range(B):
+        cr[c["write"][b]] = torch.cat([_rms(ckv[b, :lat], kva_norm, 1e-6), _rope_ref(ckv[b, lat:], ang[b], rot)])
+    wkv = kv_b.view(nh, nope + vd, lat)
+    att = torch.zeros(B, nh, vd)
+    for b in range(B):
+        rows = cr[c["read"][b, :c["pos"][b] + 1]]                                   # [m, lat + rope]
+        for hh in range(nh):
+            k = torch.cat([rows[:, :lat] @ wkv[hh, :nope].T, rows[:, lat:]], dim=1)    # [m, qk]
+            v = rows[:, :lat] @ wkv[hh, nope:].T                                     # [m, vd]
+            qh = torch.cat([q[b, hh, :nope], _rope_ref(q[b, hh, nope:], ang[b], rot)])
+            att[b, hh] = torch.softmax(k @ qh * L.scale, 0) @ v
+    want_x = xr + att.reshape(B, nh * vd) @ Wo
+    return dict(L=L, M=M, S=S, x=x, cache=cache, want_x=want_x, want_cache=cr, keep=keep, c=c)
+
+
+def mla_call(t) -> int:
+    return kernels.lib().tm_mla_block(ctypes.byref(t["L"]), ctypes.byref(t["M"]), ctypes.byref(t["S"]))
+
+
+@pytest.mark.parametrize("rot,q_lora", [("interleaved", 24), ("half", 0), ("none", 24)])
+def test_mla_block_against_expanded_attention(rot, q_lora):
+    """tm_mla_block (kv_b absorbed into the query and the output) against attention over keys and values
+    expanded per head from the cached latents, for each rotation and both q paths."""
+    t = mla_case(rot, q_lora)
+    assert mla_call(t) == 0
+    torch.testing.assert_close(t["cache"], t["want_cache"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t["x"], t["want_x"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("where,change,code", [
+    ("c", {"write": torch.tensor([3, 16])}, kernels.E_SLOT),
+    ("c", {"pos": torch.tensor([6, 5])}, kernels.E_POS),
+    ("S", {"cap_qkv": 100}, kernels.E_SCRATCH),                        # q, the latent rows and q_a's do not fit
+    ("S", {"cap_att": 64}, kernels.E_SCRATCH),
+    ("M", {"rot": 3}, kernels.E_ARG),
+    ("M", {"rope": 7}, kernels.E_ARG),
+    ("M", {"slots": -1}, kernels.E_ARG),
+    ("M", {"q_lora": 20}, kernels.E_LAYOUT),                            # q_a's width is 24
+    ("M", {"kv_b": None}, kernels.E_NULL),
+])
+def test_mla_block_refuses(where, change, code):
+    assert refused_before_work(mla_case(), where, change, mla_call, "cache") == code
 
 
 # ---- threads sharing one layer -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ class Attention(Sublayer):
     """GQA attention of layer ``i``: paged, or, a sliding-window layer, a ring of the last W keys per
     sequence (its cache: ``kv[i]``, as ``cache_spec`` declares it)."""
     reads_rope_heads = True
+    fused_part = "gqa"        # the fused decode's tm_attn_block (layers/fused.py GQAPart)
 
     def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
         p = layer_prefix(i) + "self_attn."

@@ -1,10 +1,11 @@
-"""CPU decode of a GQA + MoE decoder layer in two host-kernel calls (runtime/kernels/moe_cpu.c).
+"""CPU decode of an attention + MoE decoder layer in two host-kernel calls (runtime/kernels/moe_cpu.c).
 
 A decode step of the composed layers runs ~25 small ops per layer - norms, projections, RoPE, the
 cache writes, attention, the residual adds, the router's softmax and top-k, the dispatch in numpy -
 each costing 3-10 us of Python and dispatch around a few us of work; on a mid-size model that was
-more time than the weights took to read (bench/results/vs_llama_cpp.md). Here one call,
-``tm_attn_block``, does x += o(attention(rmsnorm(x))), h = rmsnorm(x), the router's logits, its top-k
+more time than the weights took to read (bench/results/vs_llama_cpp.md). Here one call - ``tm_attn_block``
+for GQA (sliding-window rings and sinks included), ``tm_mla_block`` for MLA (weight absorption over the
+latent cache) - does x += o(attention(rmsnorm(x))), h = rmsnorm(x), the router's logits, its top-k
 and the dispatch (each expert's rows, as ``moe_block.dispatch`` sorts them); Python then asks the
 expert store for those experts exactly as the composed block does (placement, hit counting, hybrid
 decisions and the recorded routing stay where they are), and ``tm_moe`` adds the experts' weighted
@@ -13,8 +14,8 @@ streaming in, waves, more rows than the kernel's GEMV takes) run through the com
 
 It is a backend of the layer objects: ``build_fused`` gives each decoder layer a ``FusedDecode`` (its
 ``forward`` from then on) where the layer's sublayers and the kernel's limits allow, else None and why
-(``why_not``; the sublayers answer for themselves through layers/protocol.py): gated attention, MLA
-and linear attention, dense MLP layers, LatentMoE, routers other than
+(``why_not``; the sublayers answer for themselves through layers/protocol.py, and name their kernel
+through ``fused_part``, a key of ``ATTENTION_PARTS``): gated attention, linear attention, dense MLP layers, LatentMoE, routers other than
 softmax -> top-k, top-k -> softmax and sigmoid with group-limited top-k, weights the kernels cannot read
 in place. Those layers run composed in the same step."""
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .dense import Linear
 from .experts import record_host_share, weighted_sum
 
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-ROUTER_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group": 2}
+ROUTER_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group": 2, "softmax_group": 3}
 QK_NORM_CODES = {None: 0, "none": 0, "head": 1, "full": 2}
 
 
@@ -48,6 +49,13 @@ class LayerArgs(ctypes.Structure):
                 ("qkv", LinDesc), ("o", LinDesc), ("gate", LinDesc), ("K", _P), ("V", _P),
                 ("slots", _I64),            # rows of K / V: the C checks every write / read slot below it
                 ("sinks", _P)]              # [nh] float32 attention sinks (gpt-oss), or NULL
+
+
+class MLAArgs(ctypes.Structure):
+    """moe_cpu.c's tm_mla_t: the MLA half of a layer's arguments (the rest in LayerArgs)."""
+    _fields_ = [("nope", _I32), ("rope", _I32), ("vd", _I32), ("lat", _I32), ("q_lora", _I32), ("rot", _I32),
+                ("lat_eps", _F), ("q_a", LinDesc), ("q", LinDesc), ("kv_a", LinDesc), ("q_a_norm", _P),
+                ("kv_a_norm", _P), ("kv_b", _P), ("cache", _P), ("slots", _I64)]
 
 
 class StepArgs(ctypes.Structure):
@@ -79,6 +87,117 @@ def lin_desc(lin: Linear) -> "LinDesc | None":
         return None
     d.bias = lin.b.data_ptr() if lin.b is not None else None
     return d
+
+
+def _f32(t: torch.Tensor, keep: list) -> int:
+    """The address of t as a contiguous float32 tensor, kept alive in ``keep``."""
+    keep.append(t.detach().float().contiguous())
+    return keep[-1].data_ptr()
+
+
+class GQAPart:
+    """The attention half of a fused GQA layer (``tm_attn_block``): fills the layer's arguments, says the
+    step scratch it needs, and runs the call over the paged cache or the layer's window ring."""
+
+    def __init__(self, attn, L: LayerArgs, keep: list) -> None:
+        self.attn = attn
+        L.nh, L.nkv, L.hd = attn.nh, attn.nkv, attn.hd
+        L.rd = attn.rotary_dim or attn.hd
+        L.qk_norm = QK_NORM_CODES[attn.qk_norm]
+        L.scale = attn.hd ** -0.5
+        if attn.qk_norm == "head":
+            L.q_norm = _f32(attn.qk_w.weight, keep)
+        elif attn.qk_norm == "full":
+            L.q_norm, L.k_norm = _f32(attn.q_norm.weight, keep), _f32(attn.k_norm.weight, keep)
+        if attn.sinks is not None:
+            L.sinks = _f32(attn.sinks, keep)
+        L.qkv, L.o = lin_desc(attn.qkv), lin_desc(attn.o)
+        self.widths = (L.qkv.N, L.o.K, attn.nh, max(L.qkv.K, L.o.K))    # qkv, att, heads, widest input
+        self.ring = attn.window if attn.windowed else 0
+        self._kv = None
+
+    @staticmethod
+    def why_not(attn, cfg) -> "str | None":
+        if attn.qk_norm not in QK_NORM_CODES:
+            return f"q/k norm {attn.qk_norm!r}"
+        if (attn.rotary_dim or attn.hd) > 1024:
+            return "sizes past the kernel's limits"
+        if any(lin_desc(lin) is None for lin in (attn.qkv, attn.o)):
+            return "projections the kernels cannot read in place"
+        return None
+
+    def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+        kv = ctx.kv
+        if kv is not self._kv:            # the cache arena this layer reads (fixed once the engine made it)
+            self._kv = kv
+            cache = kv[self.attn.i]
+            L.K, L.V = cache.k.data_ptr(), cache.v.data_ptr()
+            L.slots = cache.k.numel() // (L.nkv * L.hd)                  # [slots, nkv, hd] rows it holds
+        if not self.ring:
+            return lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
+        # a window ring [slots, W, kv, hd] read as rows [slots * W, kv, hd]: the step's ring rows in place of
+        # its paged ones for this call (attention.ring_addressing, shared by the step's window layers)
+        write, read, pos = ring_addressing(ctx, self.ring)
+        paged = a.write, a.read, a.n, a.pos
+        a.write, a.read, a.n, a.pos = write.data_ptr(), read.data_ptr(), read.shape[1], pos.data_ptr()
+        try:
+            return lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
+        finally:
+            a.write, a.read, a.n, a.pos = paged
+
+
+# MLAttention.rotation (layers/rope.py's rotations) as tm_mla_t.rot codes
+MLA_ROT = {"none": 0, "half": 1, "interleaved": 2}
+
+
+class MLAPart:
+    """The attention half of a fused MLA layer (``tm_mla_block``): q through q_a -> norm -> q_b or q_proj,
+    the latent and its rotary key from kv_a, attention in the latent space with kv_b absorbed - the
+    composed ``MLAttention._decode`` in one call."""
+
+    def __init__(self, attn, L: LayerArgs, keep: list) -> None:
+        self.attn = attn
+        M = self.margs = MLAArgs()
+        M.nope, M.rope, M.vd, M.lat = attn.nope, attn.rope, attn.vd, attn.lat
+        M.rot, M.lat_eps, M.q_lora = MLA_ROT[attn.rotation], attn.eps, attn.q_lora
+        if attn.q_lora:
+            M.q_a, M.q, M.q_a_norm = lin_desc(attn.q_a), lin_desc(attn.q_b), _f32(attn.q_a_norm.weight, keep)
+        else:
+            M.q = lin_desc(attn.q)
+        M.kv_a, M.kv_a_norm = lin_desc(attn.kv_a), _f32(attn.kv_a_norm.weight, keep)
+        M.kv_b = _f32(attn.kv_b, keep)                                  # [nh (nope + vd), lat]
+        L.nh, L.nkv, L.hd, L.scale = attn.nh, 1, attn.nope + attn.rope, attn.scale
+        L.o = lin_desc(attn.o)
+        nh, qk, w = attn.nh, attn.nope + attn.rope, attn.lat + attn.rope
+        self.widths = (nh * qk + w + M.q_lora, nh * (attn.vd + 2 * attn.lat), nh,
+                       max(L.o.K, attn.kv_a.in_features, M.q_lora))
+        self.ring = 0
+        self._kv = None
+
+    @staticmethod
+    def why_not(attn, cfg) -> "str | None":
+        if attn.rotation not in MLA_ROT or attn.rope > 1024:
+            return "a rotation or size the kernel does not take"
+        if attn.rotation != "none" and (cfg.rotary_dim or cfg.head_dim) != attn.rope:
+            return "the model's rotary tables are not the width of MLA's rotary key"
+        lins = (attn.q_a, attn.q_b) if attn.q_lora else (attn.q,)
+        if any(lin_desc(lin) is None for lin in (*lins, attn.kv_a, attn.o)):
+            return "projections the kernels cannot read in place"
+        if attn.kv_b.dtype != torch.float32:
+            return "not float32"
+        return None
+
+    def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+        M, kv = self.margs, ctx.kv
+        if kv is not self._kv:
+            self._kv = kv
+            cache = kv[self.attn.i].k                                    # [slots, 1, lat + rope]
+            M.cache, M.slots = cache.data_ptr(), cache.numel() // (M.lat + M.rope)
+        return lib.tm_mla_block(ctypes.byref(L), ctypes.byref(M), ctypes.byref(a))
+
+
+# attention sublayer's ``fused_part`` -> the part that runs it fused
+ATTENTION_PARTS = {"gqa": GQAPart, "mla": MLAPart}
 
 
 class StepBuffers:
@@ -150,34 +269,20 @@ class FusedDecode:
         self.lib = kernels.lib()
         cfg = block.cfg
         L = self.args = LayerArgs()
-        L.H, L.nh, L.nkv, L.hd = cfg.hidden_size, attn.nh, attn.nkv, attn.hd
-        L.rd = attn.rotary_dim or attn.hd
-        L.qk_norm = QK_NORM_CODES[attn.qk_norm]
-        L.E, L.k = cfg.num_experts, cfg.top_k
+        L.H, L.E, L.k = cfg.hidden_size, cfg.num_experts, cfg.top_k
         L.router = ROUTER_CODES[cfg.router]
         L.renorm = int(bool(cfg.norm_topk_prob))
         L.n_group, L.topk_group = int(cfg.n_group or 1), int(cfg.topk_group or 1)
-        L.eps, L.scale, L.route_scale = attn.eps, attn.hd ** -0.5, float(cfg.routed_scaling_factor)
+        L.eps, L.route_scale = layer.input_norm.eps, float(cfg.routed_scaling_factor)
         self._keep = [layer.input_norm.weight, layer.post_norm.weight]
         L.in_norm, L.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
-        if attn.qk_norm == "head":
-            self._keep.append(attn.qk_w.weight.float().contiguous())
-            L.q_norm = self._keep[-1].data_ptr()
-        elif attn.qk_norm == "full":
-            self._keep += [attn.q_norm.weight.float().contiguous(), attn.k_norm.weight.float().contiguous()]
-            L.q_norm, L.k_norm = self._keep[-2].data_ptr(), self._keep[-1].data_ptr()
         if block.correction is not None:
-            self._keep.append(block.correction.float().reshape(-1).contiguous())
-            L.correction = self._keep[-1].data_ptr()
-        if attn.sinks is not None:
-            self._keep.append(attn.sinks.float().contiguous())
-            L.sinks = self._keep[-1].data_ptr()
-        L.qkv, L.o, L.gate = lin_desc(attn.qkv), lin_desc(attn.o), lin_desc(block.router)
+            L.correction = _f32(block.correction.reshape(-1), self._keep)
+        L.gate = lin_desc(block.router)
+        self.part = ATTENTION_PARTS[attn.fused_part](attn, L, self._keep)   # fills the attention's fields
         self.experts = block.executor.backend               # HostKernelExperts (fused_refusal saw to it)
         self.kernel = block.executor.kernel
-        self.K_max = max(cfg.hidden_size, attn.nh * attn.hd)
         self.bufs = bufs
-        self._kv = None
 
     @staticmethod
     def why_not(layer, device) -> "str | None":
@@ -190,23 +295,32 @@ class FusedDecode:
             return why
         attn, block = layer.attn, layer.ffn
         cfg = block.cfg
-        if attn.qk_norm not in QK_NORM_CODES:
-            return f"q/k norm {attn.qk_norm!r}"
+        part = ATTENTION_PARTS.get(getattr(attn, "fused_part", None))
+        if part is None:
+            return f"{type(attn).__name__} names no fused kernel"
+        why = part.why_not(attn, cfg)
+        if why is not None:
+            return why
         if cfg.router not in ROUTER_CODES:
             return f"router {cfg.router}"
-        if layer.input_norm.weight.dtype != torch.float32:
+        if layer.input_norm.weight.dtype != torch.float32 or layer.post_norm.weight.dtype != torch.float32:
             return "not float32"
-        if (attn.rotary_dim or attn.hd) > 1024 or cfg.num_experts > 4096 or (cfg.n_group or 1) > 256:
+        if layer.input_norm.eps != layer.post_norm.eps:
+            return "input and post-attention norms of different eps"
+        if cfg.num_experts > 4096 or (cfg.n_group or 1) > 256:
             return "sizes past the kernel's limits"
-        if cfg.router == "sigmoid_group" and (cfg.n_group or 1) > 1 and cfg.num_experts % cfg.n_group:
+        if cfg.router in ("sigmoid_group", "softmax_group") and (cfg.n_group or 1) > 1 and cfg.num_experts % cfg.n_group:
             return "expert groups of unequal size"
-        if any(lin_desc(lin) is None for lin in (attn.qkv, attn.o, block.router)):
-            return "projections the kernels cannot read in place"
+        if lin_desc(block.router) is None:
+            return "a router the kernels cannot read in place"
         return None
 
     def dims(self) -> tuple:
+        """The step scratch this layer needs: hidden, qkv width, attention width, heads, experts, top-k and
+        the widest projection input (StepBuffers' dims)."""
         L = self.args
-        return (L.H, L.qkv.N, L.o.K, L.nh, L.E, L.k, self.K_max)
+        qkv, att, heads, k_in = self.part.widths
+        return (L.H, qkv, att, heads, L.E, L.k, max(L.H, k_in))
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """The layer on x [B, hidden]: a decode step fused (x updated in place and returned), any other
@@ -223,27 +337,10 @@ class FusedDecode:
 
     def _attention(self, ctx, bufs: StepBuffers) -> None:
         """x += o(attention(rmsnorm(x))), then h = rmsnorm(x), the router's top-k and the dispatch."""
-        L, kv = self.args, ctx.kv
-        if kv is not self._kv:            # the cache arena this layer reads (fixed once the engine made it)
-            self._kv = kv
-            cache = kv[self.attn.i]
-            L.K, L.V = cache.k.data_ptr(), cache.v.data_ptr()
-            L.slots = cache.k.numel() // (L.nkv * L.hd)                  # [slots, nkv, hd] rows it holds
-        a = bufs.args
-        if self.attn.windowed:
-            # a window ring [slots, W, kv, hd] read as rows [slots * W, kv, hd]: the step's ring rows in place of
-            # its paged ones for this call (attention.ring_addressing, shared by the step's window layers)
-            write, read, pos = ring_addressing(ctx, self.attn.window)
-            paged = a.write, a.read, a.n, a.pos
-            a.write, a.read, a.n, a.pos = write.data_ptr(), read.data_ptr(), read.shape[1], pos.data_ptr()
-            try:
-                rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
-            finally:
-                a.write, a.read, a.n, a.pos = paged
-        else:
-            rc = self.lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
+        rc = self.part(self.lib, self.args, bufs.args, ctx)
         if rc:
-            raise RuntimeError(f"tm_attn_block refused layer {self.layer.index} (code {rc})")
+            raise RuntimeError(f"the fused attention kernel refused layer {self.layer.index} (code {rc}: "
+                               f"{kernels.lib().tm_strerror(rc).decode()})")
 
     def _experts(self, ctx, bufs: StepBuffers) -> None:
         """The routed experts through the MoE block's own stages (request: record, store, hooks), their
@@ -277,7 +374,7 @@ def build_fused(layers: list, device) -> list:
     fused = [FusedDecode(layer) if w is None else None for layer, w in zip(layers, why)]
     dims = [f.dims() for f in fused if f is not None]
     if dims:
-        ring = max((f.attn.window for f in fused if f is not None and f.attn.windowed), default=0)
+        ring = max((f.part.ring for f in fused if f is not None), default=0)
         bufs = StepBuffers(tuple(max(d[i] for d in dims) for i in range(7)), ring)
         for f in fused:
             if f is not None:

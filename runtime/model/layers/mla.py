@@ -26,6 +26,9 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(Sublayer):
+    reads_rope_heads = True    # the fused decode (layers/fused.py MLAPart) reads the step's cos / signed sin
+    fused_part = "mla"
+
     def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
         p = layer_prefix(i) + "self_attn."
         self.i, self.eps, m = i, LATENT_NORM_EPS, cfg.mla
@@ -42,7 +45,9 @@ class MLAttention(Sublayer):
             self.q_a, self.q_a_norm, self.q_b = (lin("q_a_proj"), RMSNorm(take(w, p + "q_a_layernorm.weight"), self.eps),
                                                  lin("q_b_proj"))
             self._q = self._q_lora            # DeepSeek-V2 / V3: q through its low-rank projection
+            self.q_lora = m.q_lora_rank
         else:
+            self.q_lora = 0
             self.q = lin("q_proj")
             self._q = self._q_full            # DeepSeek-V2-Lite: one q projection
         self.kv_a = lin("kv_a_proj_with_mqa")
@@ -50,7 +55,13 @@ class MLAttention(Sublayer):
         self.kv_b = take(w, p + "kv_b_proj.weight")
         self.o = lin("o_proj")
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
-        self.rot = _no_rotation if not m.rope else rope_interleaved if m.rope_interleave else _rotate
+        self.rotation = "none" if not m.rope else "interleaved" if m.rope_interleave else "half"
+        self.rot = {"none": _no_rotation, "interleaved": rope_interleaved, "half": _rotate}[self.rotation]
+
+    def fused_refusal(self) -> "str | None":
+        """The fused CPU decode (layers/fused.py MLAPart) takes every MLA layer: q through q_lora or one
+        projection, each rotation (none, rotate-half, interleaved)."""
+        return None
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:

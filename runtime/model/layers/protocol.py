@@ -4,9 +4,10 @@ A sublayer is built once from the config and the checkpoint's tensors, and then 
 ``__call__(x [tokens, hidden], ctx) -> [tokens, hidden]``. Which implementation computes it - the torch
 ops, a host kernel, CUDA - is decided when it is built (vLLM's CustomOp idea), never per call.
 
-``fused_refusal`` tells the fused CPU decode (layers/fused.py, a GQA attention + MoE layer in two host
+``fused_refusal`` tells the fused CPU decode (layers/fused.py, an attention + MoE layer in two host
 kernel calls) whether it can take this sublayer: None where it can, else the reason (kept per layer
-in ``MoEModel.fused_why``). Kinds the kernel covers override it; every other kind inherits the refusal.
+in ``MoEModel.fused_why``). Kinds the kernel covers override it and name their kernel in ``fused_part``;
+every other kind inherits the refusal.
 
 Tensor parallelism (runtime/parallel/shard.py plans it, vLLM's column / row parallel linears): an attention
 kind says whether its heads split over ``world`` ranks (``head_split``: the rank's config fields, or why
@@ -40,6 +41,7 @@ def cols(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
 
 class Sublayer:
     reads_rope_heads = False   # GQA layers read cos / sin broadcast over heads: the model builds them per forward
+    fused_part = None          # the attention kinds the fused decode takes: their key in layers/fused.py's ATTENTION_PARTS
 
     def fused_refusal(self) -> "str | None":
         return f"{type(self).__name__} has no fused host decode"
