@@ -727,33 +727,42 @@ static void q8_quantize(const float *x, int K, int8_t *q, float *d, int bias, in
     }
 }
 
-static inline __attribute__((always_inline)) __m256i nib_codes(const uint8_t *p, __m128i lut) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m4));
-    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m4));
-    return _mm256_set_m128i(hi, lo);                                   /* evens | odds, as x is stored */
-}
-
+/* The AVX2 build's 4-bit x q8 row (int4 / mxfp4 weights against 8-bit activations, llama.cpp's Q4_0 x Q8_0
+ * dot): per 32 weights one 16-byte load decoded by one 256-bit shuffle, maddubs on |w| and sign(x, w), the
+ * block's int32 sums scaled by weight scale x activation scale. The weight scales of up to 64 blocks are
+ * decoded into sc first (no format test per block), and two accumulators per row split the fmadd chain. */
 static inline __attribute__((always_inline)) void nib_row_q8(const int R, const uint8_t *wrow, const void *srow,
         int sfmt, int group, int mx, int K, __m128i lut, const int8_t *xq, const float *xd, long ldq, long ldd,
         float *out, long ldo) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), lut2 = _mm256_broadcastsi128_si256(lut);
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int per = group / 32, nc = K / 32;
-    for (int c = 0; c < nc; c++) {
-        float sw = mx ? E8M0[((const uint8_t *)srow)[c]] : scale_at(srow, sfmt, per == 1 ? c : c / per);
-        if (!(c & 3)) PF(wrow + 16 * c);
-        __m256i w = nib_codes(wrow + 16 * c, lut);
-        __m256i aw = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < R; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 32 * c));
-            __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sw * xd[r * ldd + c]), acc[r]);
+    float sc[64];
+    for (int c0 = 0; c0 < nc; c0 += 64) {
+        const int n = nc - c0 < 64 ? nc - c0 : 64;
+        if (mx)
+            for (int i = 0; i < n; i++) sc[i] = E8M0[((const uint8_t *)srow)[c0 + i]];
+        else if (per == 1 && sfmt == S_BF16)
+            for (int i = 0; i < n; i++) sc[i] = bf16_to_f32(((const uint16_t *)srow)[c0 + i]);
+        else
+            for (int i = 0; i < n; i++) sc[i] = scale_at(srow, sfmt, (c0 + i) / per);
+        for (int i = 0; i < n; i++) {
+            const int c = c0 + i;
+            if (!(c & 3)) PF(wrow + 16 * c);
+            const __m128i b = _mm_loadu_si128((const __m128i *)(wrow + 16 * c));
+            /* low nibbles in the low lane, high in the high lane: evens | odds, as x is stored */
+            const __m256i w = _mm256_shuffle_epi8(lut2, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), m4));
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 32 * c));
+                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
+                acc[r][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sc[i] * xd[r * ldd + c]),
+                                                acc[r][i & 1]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) out[r * ldo] = hsum(acc[r]);
+    for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 #endif
 

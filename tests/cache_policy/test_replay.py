@@ -31,9 +31,12 @@ def brute_lru_batch1(trace, cap, scope):
 @pytest.mark.slow
 @pytest.mark.parametrize("scope,cap", [("global", 166), ("layer", 12)])
 def test_deepseek_lru_batch1_agrees_with_brute_force(deepseek_trace, scope, cap):
-    r = replay_batch(deepseek_trace, ReplayConfig(policy="lru", scope=scope, device_capacity=str(cap)), 1)
-    assert r["accesses"] == deepseek_trace.ids.size
-    assert r["hits"]["device"] == brute_lru_batch1(deepseek_trace, cap, scope)
+    # the first 364 of the trace's 999 sequences (32K tokens, 5M expert uses): a third of the brute force's time,
+    # with the same capacities, so every layer's cache still fills and evicts many times over
+    tr = deepseek_trace.subset(range(364))
+    r = replay_batch(tr, ReplayConfig(policy="lru", scope=scope, device_capacity=str(cap)), 1)
+    assert r["accesses"] == tr.ids.size
+    assert r["hits"]["device"] == brute_lru_batch1(tr, cap, scope)
 
 
 @pytest.mark.slow
