@@ -727,6 +727,16 @@ static void q8_quantize(const float *x, int K, int8_t *q, float *d, int bias, in
     }
 }
 
+/* sc[i] = the weight scale of block c0 + i, i < n (int4: one per ``per`` blocks; mxfp4: E8M0 bytes) */
+static inline AI void nib_scales(const void *srow, int sfmt, int per, int mx, int c0, int n, float *sc) {
+    if (mx)
+        for (int i = 0; i < n; i++) sc[i] = E8M0[((const uint8_t *)srow)[c0 + i]];
+    else if (per == 1 && sfmt == S_BF16)
+        for (int i = 0; i < n; i++) sc[i] = bf16_to_f32(((const uint16_t *)srow)[c0 + i]);
+    else
+        for (int i = 0; i < n; i++) sc[i] = scale_at(srow, sfmt, (c0 + i) / per);
+}
+
 /* The AVX2 build's 4-bit x q8 row (int4 / mxfp4 weights against 8-bit activations, llama.cpp's Q4_0 x Q8_0
  * dot): per 32 weights one 16-byte load decoded by one 256-bit shuffle, maddubs on |w| and sign(x, w), the
  * block's int32 sums scaled by weight scale x activation scale. The weight scales of up to 64 blocks are
@@ -741,12 +751,7 @@ static inline __attribute__((always_inline)) void nib_row_q8(const int R, const 
     float sc[64];
     for (int c0 = 0; c0 < nc; c0 += 64) {
         const int n = nc - c0 < 64 ? nc - c0 : 64;
-        if (mx)
-            for (int i = 0; i < n; i++) sc[i] = E8M0[((const uint8_t *)srow)[c0 + i]];
-        else if (per == 1 && sfmt == S_BF16)
-            for (int i = 0; i < n; i++) sc[i] = bf16_to_f32(((const uint16_t *)srow)[c0 + i]);
-        else
-            for (int i = 0; i < n; i++) sc[i] = scale_at(srow, sfmt, (c0 + i) / per);
+        nib_scales(srow, sfmt, per, mx, c0, n, sc);
         for (int i = 0; i < n; i++) {
             const int c = c0 + i;
             if (!(c & 3)) PF(wrow + 16 * c);
@@ -763,6 +768,37 @@ static inline __attribute__((always_inline)) void nib_row_q8(const int R, const 
         }
     }
     for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* Four output rows against one activation row (a decode token), the same dot as nib_row_q8: the activation
+ * block and its scale are loaded once for the four, and four accumulators run independent fmadd chains.
+ * wrow / srow: the first row's codes and scales, ldw / lds: bytes from one row to the next; out: [4]. */
+static inline AI void nib_4rows_q8(const uint8_t *wrow, long ldw, const uint8_t *srow, long lds, int sfmt, int group,
+                                   int mx, int K, __m128i lut, const int8_t *xq, const float *xd, float *out) {
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), lut2 = _mm256_broadcastsi128_si256(lut);
+    __m256 acc[4];
+    for (int o = 0; o < 4; o++) acc[o] = _mm256_setzero_ps();
+    const int per = group / 32, nc = K / 32;
+    float sc[4][64];
+    for (int c0 = 0; c0 < nc; c0 += 64) {
+        const int n = nc - c0 < 64 ? nc - c0 : 64;
+        for (int o = 0; o < 4; o++) nib_scales(srow + o * lds, sfmt, per, mx, c0, n, sc[o]);
+        for (int i = 0; i < n; i++) {
+            const int c = c0 + i;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
+            const float xs = xd[c];
+            for (int o = 0; o < 4; o++) {
+                const uint8_t *p = wrow + o * ldw + 16 * c;
+                if (!(c & 3)) PF(p);
+                const __m128i b = _mm_loadu_si128((const __m128i *)p);
+                const __m256i w = _mm256_shuffle_epi8(lut2, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), m4));
+                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)),
+                                                    ones);
+                acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sc[o][i] * xs), acc[o]);
+            }
+        }
+    }
+    for (int o = 0; o < 4; o++) out[o] = hsum(acc[o]);
 }
 #endif
 
@@ -847,6 +883,12 @@ static void quant_proj(const tm_moe_t *a, const void *W, const void *S, int N, i
     }
 #endif
     (void)sw; (void)lds;
+#if !TM_VNNI
+    if (xq && nrows == 1 && (a->fmt == F_INT4 || a->fmt == F_MXFP4))   /* a decode token: four output rows a pass */
+        for (; o0 + 4 <= o1; o0 += 4)
+            nib_4rows_q8((const uint8_t *)W + o0 * (long)(K / 2), K / 2, (const uint8_t *)S + o0 * ng * ssz, ng * ssz,
+                         a->sfmt, group, mx, K, lut, xq, xd, y + o0);
+#endif
     for (long o = o0; o < o1; o++) {
         const void *srow = (const char *)S + o * ng * ssz;
         for (long r = 0; r < nrows;) {
