@@ -134,6 +134,14 @@ def _fmt(x) -> str:
     return str(x)
 
 
+def generate_rate(p, what: str) -> float:
+    """Decode tokens/s of a finished ``tiered-moe generate --json`` process (subprocess.run's result, text
+    mode): its last JSON line's ``decode_tokens_per_s``; raises with the stderr tail if it failed."""
+    if p.returncode:
+        raise RuntimeError(f"{what}: generate failed:\n{p.stderr[-2000:]}")
+    return json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["decode_tokens_per_s"]
+
+
 def write_markdown(out: str, lines: list) -> str:
     """A results file: ``lines`` joined, written to ``out`` (its folder made) and printed; the text."""
     text = "\n".join(lines)

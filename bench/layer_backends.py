@@ -13,7 +13,6 @@ Usage: python bench/layer_backends.py --old DIR [--new DIR] [--reps 2] [--out be
   (--old: a checkout of the tree to compare against, e.g. `git worktree add /tmp/old HEAD~1`; --new: this tree)
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from exp_common import write_markdown  # noqa: E402 (bench/: results files)
+from exp_common import generate_rate, write_markdown  # noqa: E402 (bench/: results files)
 
 SHAPES = {
     "mla": ("DeepSeek-V2-Lite-like (MLA, no q LoRA, shared expert, first layer dense)", "DeepseekV3",
@@ -71,9 +70,7 @@ def run(tree: str, store: str, batch: int) -> float:
         cmd += ["--prompt-ids", ",".join(str((61 * i + 7 * b) % 4096) for i in range(1, 17))]
     env = {**os.environ, "PYTHONPATH": tree}
     p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    if p.returncode:
-        raise RuntimeError(f"{tree}: generate failed:\n{p.stderr[-2000:]}")
-    return json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["decode_tokens_per_s"]
+    return generate_rate(p, tree)
 
 
 def main():

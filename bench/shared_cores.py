@@ -10,7 +10,6 @@ round, each round) and the ratio of 2 threads to 1 thread in the same condition.
 Usage: python bench/shared_cores.py --store DIR [--rounds 2] [--max-tokens 32] [--out bench/results/shared_cores.md]
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from exp_common import write_markdown  # noqa: E402 (bench/: results files)
+from exp_common import generate_rate, write_markdown  # noqa: E402 (bench/: results files)
 
 # (label, --threads, free-core cap on)
 SETTINGS = [("1 thread", 1, True), ("2 threads (default: capped at the free cores)", 2, True),
@@ -38,9 +37,7 @@ def decode_rate(store: str, threads: int, adapt: bool, batch: int, max_tokens: i
         if hog is not None:
             hog.kill()
             hog.wait()
-    if p.returncode:
-        raise RuntimeError(f"generate failed: {p.stderr[-1500:]}")
-    return json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["decode_tokens_per_s"]
+    return generate_rate(p, store)
 
 
 def main():
