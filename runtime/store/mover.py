@@ -7,6 +7,7 @@ does not hold the expert) -> device slot.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,9 +23,68 @@ class ExpertLoadError(RuntimeError):
     every tier, so a later request reads it again instead of computing with bad bytes."""
 
 
+class DemandFirst:
+    """Demand loads before prefetches. Both share one disk and one link; a prefetch for layer m + 1 is issued as
+    soon as layer m routes (the ``routed`` step hook), while layer m's own misses are still loading, so started
+    at once it would split their bandwidth and delay the layer about to compute. A prefetch therefore starts its
+    transfer only when no demand load is pending (as the cost model prices it: a prefetch has the link time the
+    layer's demand loads leave idle). A prefetch a layer turns out to need is promoted: it waits no longer.
+    ``patience``: the longest a prefetch waits (seconds), so a stream of demand loads cannot starve it."""
+
+    def __init__(self, patience: float = 1.0) -> None:
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._urgent: set = set()      # prefetched keys a request now needs
+        self._waiting: set = set()     # prefetches waiting for their turn
+        self._dropped: set = set()     # ... and cancelled while they wait
+        self.patience = patience
+
+    def submitted(self) -> None:            # a demand load was queued
+        with self._cv:
+            self._pending += 1
+
+    def done(self) -> None:                 # a demand load finished (or failed)
+        with self._cv:
+            self._pending -= 1
+            if self._pending == 0:
+                self._cv.notify_all()
+
+    def promote(self, key: int) -> None:    # a request needs a prefetch still in flight (queued or waiting)
+        with self._cv:
+            self._urgent.add(key)
+            self._cv.notify_all()
+
+    def finished(self, key: int) -> None:   # a prefetch's job ended
+        with self._cv:
+            self._urgent.discard(key)
+
+    def drop(self, key: int) -> bool:
+        """Cancel a prefetch that has not started its transfer; False when it has (it completes)."""
+        with self._cv:
+            if key not in self._waiting:
+                return False
+            self._dropped.add(key)
+            self._cv.notify_all()
+            return True
+
+    def wait_turn(self, key: int) -> bool:
+        """A prefetch, before its transfer: wait for the demand loads pending; False when it was dropped."""
+        with self._cv:
+            self._waiting.add(key)
+            self._cv.wait_for(lambda: self._pending == 0 or key in self._urgent or key in self._dropped,
+                              timeout=self.patience)
+            self._waiting.discard(key)
+            self._urgent.discard(key)
+            if key in self._dropped:
+                self._dropped.discard(key)
+                return False
+            return True
+
+
 class Mover:
     """The loads in flight (``inflight``: key -> Future of its device copy) and the thread pools that run
-    them: demand loads on ``demand_pool``, prefetches on the smaller ``prefetch_pool``."""
+    them: demand loads on ``demand_pool``, prefetches on the smaller ``prefetch_pool``; a prefetch's transfer
+    waits for the demand loads pending (``DemandFirst``)."""
 
     def __init__(self, dev: Slab, host: HostTier, stats, blob_bytes: int, *, device: str, threads: int,
                  cuda: bool) -> None:
@@ -32,6 +92,7 @@ class Mover:
         self.inflight: dict = {}
         self.demand_pool = ThreadPoolExecutor(threads, thread_name_prefix="tiered-moe-demand")
         self.prefetch_pool = ThreadPoolExecutor(max(1, threads // 2), thread_name_prefix="tiered-moe-prefetch")
+        self.order = DemandFirst()
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device) if cuda else None
 
@@ -75,20 +136,44 @@ class Mover:
         if self.copy_stream is not None and d.loaded:
             handover = torch.cuda.Event()
             handover.record(torch.cuda.current_stream(self.device))
+        job = self._demand if pool is self.demand_pool else self._prefetch
         for k in d.loaded:
             if k in from_disk:
                 self.host.slab.alloc(k)
             self.dev.alloc(k)
-            fut = pool.submit(self.move, k, k in from_disk, handover)
+            fut = job(pool, k, self.move, k, k in from_disk, handover)
             self.inflight[k] = fut
             started[k] = fut
         # experts computed on the host that only the disk holds: read into their host slot, nothing moves on
         for k in from_disk.difference(d.loaded):
             self.host.slab.alloc(k)
-            started[k] = self.inflight[k] = pool.submit(self.read_host, k)
+            started[k] = self.inflight[k] = job(pool, k, self.read_host, k)
         self.stats.bytes["host_to_device"] += len(d.loaded) * self.blob_bytes
         self.stats.bytes["disk_to_host"] += len(from_disk) * self.blob_bytes
         return started
+
+    def _demand(self, pool: ThreadPoolExecutor, key: int, fn, *args):
+        self.order.submitted()
+
+        def run():
+            try:
+                fn(*args)
+            finally:
+                self.order.done()
+        try:
+            return pool.submit(run)
+        except BaseException:
+            self.order.done()
+            raise
+
+    def _prefetch(self, pool: ThreadPoolExecutor, key: int, fn, *args):
+        def run():
+            try:
+                if self.order.wait_turn(key):
+                    fn(*args)
+            finally:
+                self.order.finished(key)
+        return pool.submit(run)
 
     def settle(self, key: int) -> None:
         """Wait for a load into ``key``'s slot before the slot is reused (its expert is leaving, so

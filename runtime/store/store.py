@@ -219,6 +219,8 @@ class ExpertStore:
             fut = started.get(k) or self.inflight.get(k)
             if fut is not None and not fut.done():
                 pending[e] = fut
+                if k not in started:          # a prefetch this layer needs: it waits for no demand load now
+                    self.mover.order.promote(k)
             elif fut is not None:
                 self.inflight.pop(k, None)
                 try:
@@ -240,8 +242,9 @@ class ExpertStore:
                                            [c for e, c in zip(experts, cnt) if e in host])
 
     def _cancel_prefetches(self, layer: int, needed: set) -> None:
-        """The layer is running: a prefetch for it that has not started and is not needed now is
-        dropped (it would only take link time from demand loads); one that started completes."""
+        """The layer is running: a prefetch for it that has not started (queued, or waiting for the demand
+        loads: mover.DemandFirst) and is not needed now is dropped (it would only take link time from demand
+        loads); one whose transfer started completes."""
         if not self._prefetching:
             return
         E = self.m.num_experts
@@ -249,7 +252,7 @@ class ExpertStore:
             fut = self._prefetching.pop(k)
             # Under tensor parallelism a prefetch is never cancelled: whether its copy has started is timing,
             # and placement must follow the same decisions on every rank.
-            if k in needed or self.deterministic or not fut.cancel():
+            if k in needed or self.deterministic or not (fut.cancel() or self.mover.order.drop(k)):
                 continue
             self.inflight.pop(k, None)
             self.placement.cancel_prefetch(k)

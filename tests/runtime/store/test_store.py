@@ -267,3 +267,51 @@ def test_an_expert_is_checked_the_first_time_it_is_read(store_dir, monkeypatch):
         assert len(calls) == 4
     finally:
         disk.close()
+
+
+def test_prefetches_wait_for_pending_demand_loads_a_needed_one_is_promoted_an_unneeded_one_dropped(store_dir):
+    """mover.DemandFirst: a prefetch issued while a demand load is pending (layer m + 1's prefetch is issued as
+    layer m routes, its misses still loading) starts its transfer only when no demand load is pending; a request
+    that needs it promotes it; one its layer does not need is dropped while it waits."""
+    import threading
+    import time
+    from runtime.store.mover import Mover
+    gate, moved = threading.Event(), []
+    E_ = Manifest.read(store_dir).num_experts
+    real = Mover.move
+
+    def move(self, key, from_disk, after=None):
+        if key == 0 * E_ + 5:                           # layer 0 expert 5: a slow demand load
+            assert gate.wait(10)
+        moved.append(key)
+        return real(self, key, from_disk, after)
+    # threads=4: two prefetch workers, so both prefetches are running (waiting for their turn), not queued
+    with ExpertStore(store_dir, device_budget=8 * stride(store_dir), threads=4) as st:
+        st.mover.move = move.__get__(st.mover)
+        f0 = st.request(0, [5], 0)                      # the demand load of 0/5 is pending
+        assert st.prefetch(1, [2, 3], 0) == 2
+        time.sleep(0.3)
+        assert not st.inflight[E_ + 2].done() and not st.inflight[E_ + 3].done(), "a prefetch ran before a demand load"
+        assert moved == []
+        t0 = time.perf_counter()
+        f1 = st.request(1, [2], 1)                      # needs 2 (promoted); 3 is not needed (dropped)
+        got = logical(f1.tensors(2))
+        assert time.perf_counter() - t0 < 0.5 * st.mover.order.patience, "a needed prefetch waited for its turn"
+        assert torch.equal(got["gate"], expert_tensors(1, 2)["gate"])
+        assert moved == [E_ + 2] and st.stats.prefetch_cancelled == 1 and set(st.resident(1)) == {2}
+        gate.set()
+        assert torch.equal(logical(f0.tensors(5))["gate"], expert_tensors(0, 5)["gate"])
+        assert moved == [E_ + 2, 5]                    # 3 was never copied
+        assert st.prefetch(2, [4], 1) == 1              # nothing pending: a prefetch starts at once
+        st.inflight[2 * E_ + 4].result(timeout=5)
+
+
+def test_a_prefetch_waits_no_longer_than_its_patience():
+    import time
+    from runtime.store.mover import DemandFirst
+    d = DemandFirst(patience=0.1)
+    d.submitted()                                       # a demand load that never finishes
+    t0 = time.perf_counter()
+    assert d.wait_turn(7) is True
+    assert 0.09 < time.perf_counter() - t0 < 2
+    assert d.drop(7) is False                           # not waiting any more: its transfer runs
