@@ -217,7 +217,9 @@ def test_console_script_demo_help_replay_convert_generate(installed):
     assert not os.path.exists(os.path.join(work, "cache-bare", "tiered-moe", "kernels"))
     # the shipped builds: one per x86-64 instruction set, of the wheel's own source
     import hashlib
-    key = hashlib.sha256(open(os.path.join(src, "runtime", "kernels", "moe_cpu.c"), "rb").read()).hexdigest()[:16]
+    kdir = os.path.join(src, "runtime", "kernels")        # moe_cpu.c and the headers it includes, as build.py
+    key = hashlib.sha256(b"".join(open(os.path.join(kdir, f), "rb").read() for f in
+                                  ["moe_cpu.c"] + sorted(f for f in os.listdir(kdir) if f.endswith(".h")))).hexdigest()[:16]
     shipped = sorted(os.listdir(os.path.dirname(got["source"][len("prebuilt ("):-1])))
     assert shipped == sorted(f"moe_cpu-{key}-x86_64-{isa}.so" for isa in ("avx2", "avx512", "avx512-vnni")), shipped
     # Told not to use them (TIERED_MOE_KERNEL_PREBUILT=0), with a compiler: built from the wheel's own source,

@@ -43,10 +43,10 @@ import sys
 import threading
 
 from .build import (FLAGS, ISAS, NEEDS, PREBUILT_DIR, SANITIZE_FLAGS, SRC, compile_to,  # noqa: F401 (re-exported)
-                    prebuilt_name, source_key)
+                    prebuilt_name, source_bytes, source_key)
 
 ABI_VERSION = 5          # moe_cpu.c tm_version(): a library of another ABI is refused, not called
-ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512-vnni"}
+ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512-vnni", 4: "neon"}
 
 # Formats and scale dtypes as the C enums number them.
 FMT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "mxfp4": 3, "int4": 4, "fp8_e4m3": 5, "int8": 6}
@@ -114,10 +114,11 @@ def scratch(name: str, numel: int, dtype=None) -> int:
 
 
 def _cpu_flags() -> set:
+    """The CPU's feature names as /proc/cpuinfo lists them (x86: ``flags``, aarch64: ``Features``)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -153,8 +154,7 @@ def _sanitize() -> bool:
 
 def _build(cc: str, flags: set, extra: list) -> str:
     """Compile moe_cpu.c unless a build of this source, these flags and this CPU is cached; the path."""
-    with open(SRC, "rb") as f:
-        src = f.read()
+    src = source_bytes()
     extra = extra + (SANITIZE_FLAGS if _sanitize() else [])     # after FLAGS: its -O1 wins
     key = hashlib.sha256(src + " ".join([cc] + FLAGS + extra + sorted(flags & set(NEEDS))).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"moe_cpu-{key}.so")

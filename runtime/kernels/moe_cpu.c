@@ -12,8 +12,13 @@
  * threads: a pool of our own (below: workers spin for a while after each job, then sleep), work split
  * by output rows or column blocks of every expert, so at decode's one token per expert every thread
  * streams weights. */
+#if defined(__aarch64__)
+#include "neon_x86.h"     /* the AVX2 path's intrinsics on NEON: one source for both machines */
+#else
 #include <immintrin.h>
+#endif
 #include <math.h>
+#include "moe_cpu.h"
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -21,7 +26,6 @@
 #include <string.h>
 #include <time.h>
 
-enum { F_F32 = 0, F_BF16 = 1, F_F16 = 2, F_MXFP4 = 3, F_INT4 = 4, F_FP8 = 5, F_INT8 = 6 };
 #define AI inline __attribute__((always_inline))
 /* Weights stream from memory once per use: a software prefetch PFD bytes ahead keeps enough lines in
  * flight that one thread reads at close to its memory bandwidth (measured here: 13 -> 28 GB/s on
@@ -31,45 +35,7 @@ enum { F_F32 = 0, F_BF16 = 1, F_F16 = 2, F_MXFP4 = 3, F_INT4 = 4, F_FP8 = 5, F_I
 #endif
 #define PF(p) _mm_prefetch((const char *)(p) + PFD, _MM_HINT_NTA)
 #define BY_R(R, CALL) switch (R) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
-enum { S_F32 = 0, S_BF16 = 1, S_F16 = 2 };
-enum { P_GATE_W, P_GATE_S, P_UP_W, P_UP_S, P_DOWN_W, P_DOWN_S, P_GU_BIAS, P_DOWN_BIAS, P_N };
 
-typedef struct {
-    int32_t fmt;          /* F_* of the expert matrices */
-    int32_t sfmt;         /* S_* of int4 scales */
-    int32_t group;        /* int4 elements per scale (a multiple of 32); mxfp4: 32 */
-    int32_t bo, bi;       /* fp8 scale tile (rows, cols) */
-    int32_t bias_fmt;     /* -1: no biases, else F_F32 / F_BF16 / F_F16 */
-    int32_t act;          /* 0: silu(gate) * up; 1: gpt-oss clamped SwiGLU; 2: silu(min(gate, limit)) * clamp(up, +-limit) */
-    float limit, alpha;   /* act 1 */
-    int32_t H_in, I, H_out;
-    int32_t n_exp, nthreads;
-    const int64_t *row0;  /* [n_exp] first row of each expert in x / y */
-    const int64_t *rows;  /* [n_exp] its row count */
-    const int64_t *ptrs;  /* [n_exp * P_N] addresses of its parts (0 where absent) */
-    const float *x;       /* [*, H_in] */
-    float *y;             /* [*, H_out] */
-    float *h;             /* scratch [*, 2I], rows as x */
-    int32_t q8;           /* mxfp4 / int4: activations quantized to 8 bits per 32 (llama.cpp's Q8_0), integer dots */
-    int8_t *xq;           /* q8 scratch [*, max(H_in, I)] */
-    float *xd;            /* q8 scales [*, max(H_in, I) / 32] */
-    /* Optional gather and combine (decode: one call does the layer's whole routed part):
-     * tok: [rows] token of each sorted row - x rows are then gathered from xin [T, H_in] into x;
-     * back: [T * k] sorted row of each (token, slot), wts: [T * k] its weight; out: [T, H_out] =
-     * sum over k of wts * y[back]. NULL: x is already sorted rows / y is the output. */
-    const int64_t *tok;
-    const float *xin;
-    const int64_t *back;
-    const float *wts;
-    float *out;
-    int64_t T, k;
-    int32_t out_add;      /* out += the weighted sum instead of out = (the residual stream, in place) */
-    /* What the buffers hold, as the caller allocated them: checked against row0 / rows / tok / back
-     * before any work, so a bad index is an error code rather than a write past a buffer. */
-    int64_t n_rows;       /* rows of x and y (and entries of tok, when given) */
-    int64_t scratch_rows; /* rows of h (and of xq / xd with q8) */
-    int64_t n_in;         /* rows of xin (gather): every tok < n_in */
-} tm_moe_t;
 
 /* The ABI's version: runtime/kernels/__init__.py refuses a library of another one (the cache key is the
  * source, so only a library from elsewhere can be stale). 3: capacities in tm_moe_t / tm_lin_t /
@@ -239,7 +205,11 @@ void tm_set_spin_us(int64_t us) { P.spin_ns = us < 0 ? 0 : us * 1000; }
 #else
 #define TM_VNNI 0
 #endif
+#if defined(__aarch64__)
+int tm_isa(void) { return 4; }                         /* 4 aarch64 NEON (the AVX2 path on neon_x86.h) */
+#else
 int tm_isa(void) { return 1 + TM_AVX512 + TM_VNNI; }   /* 1 avx2, 2 avx512, 3 avx512 + vnni */
+#endif
 
 /* 1 in the AddressSanitizer build (TIERED_MOE_KERNEL_SANITIZE=1): tests/kernels_sanitize.sh asserts its
  * tests ran on it, not on a normal library. */
@@ -1267,21 +1237,7 @@ int tm_linear_bf16(const float *x, int64_t n, int64_t K, const uint16_t *W, int6
     return 0;
 }
 
-/* ---- quantized dense weights (--dense-quant: int8 / int4 as the int8 / int4 expert formats) --------
- * y[n, N] = x[n, K] @ W^T (+ bias), W [N, K] codes with scales S: the experts' row kernels over one
- * matrix, output rows split across threads; q8: the rows of x quantized to 8 bits first. */
-typedef struct {
-    int32_t fmt, sfmt, group, q8, nthreads;
-    int64_t n, K, N;
-    const float *x;
-    float *y;
-    const void *W, *S;
-    const float *bias;    /* [N] float32 or NULL */
-    int8_t *xq;           /* q8 scratch [xq_rows, K] */
-    float *xd;            /* q8 scales [xq_rows, tm_q8_ldd(K)] */
-    int64_t xq_rows;      /* rows xq / xd hold (q8): n <= xq_rows */
-} tm_lin_t;
-
+/* ---- quantized dense weights (tm_lin_t in moe_cpu.h) ------------------------------------------------ */
 typedef struct { const tm_lin_t *l; tm_moe_t a; float *sw; long lds; } linq_job_t;
 
 static void linq_job(void *arg, int ith, int nth, tm_bar *bar) {

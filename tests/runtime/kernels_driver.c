@@ -1,0 +1,257 @@
+/* Calls the host kernels from C, for a build the test process cannot load: the aarch64 build, run under
+ * qemu-aarch64 on an x86 machine (tests/runtime/test_kernels_aarch64.py). The same driver, compiled for this
+ * machine, runs the x86 build on the same inputs, so the two are compared output for output; where a case has
+ * a reference written here from the formats' definitions (dequantize, then float64 sums), both are held to it.
+ *
+ * Usage: kernels_driver LIBRARY.so OUT.bin. Inputs come from a fixed xorshift generator (the same on every
+ * machine). Each case appends one record to OUT.bin: name (char[48]), n (int64), n float32 outputs, nref
+ * (int64: n or 0), nref float32 reference values. Exit status: 0, or 2 when the library or a call fails. */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "moe_cpu.h"
+
+static struct {
+    int (*version)(void), (*isa)(void), (*moe)(const tm_moe_t *), (*linear_q)(const tm_lin_t *);
+    int64_t (*q8_ldd)(int64_t);
+    int (*linear_bf16)(const float *, int64_t, int64_t, const uint16_t *, int64_t, float *, int32_t);
+    int (*rms_norm)(const float *, int64_t, int64_t, const float *, int64_t, float, float *);
+} K;
+static FILE *out;
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t next(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return (uint32_t)(rng >> 16); }
+static float unif(void) { return (float)(next() % 2000001) / 1e6f - 1.0f; }          /* [-1, 1] */
+static void fill(float *x, long n) { for (long i = 0; i < n; i++) x[i] = unif(); }
+static void *xmalloc(size_t n) { void *p = calloc(1, n ? n : 1); if (!p) { perror("calloc"); exit(2); } return p; }
+
+/* ---- the formats, by their definitions ---------------------------------------------------------------------- */
+static float bf16_val(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static uint16_t bf16_of(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)(u >> 16); }   /* truncated */
+static float f16_val(uint16_t h) {    /* IEEE half: sign, 5-bit exponent (bias 15), 10-bit mantissa */
+    int e = (h >> 10) & 31, m = h & 1023;
+    float v = e ? ldexpf(1.0f + m / 1024.0f, e - 15) : ldexpf(m / 1024.0f, -14);
+    return (h >> 15) ? -v : v;
+}
+static uint16_t f16_rand(void) { return (uint16_t)(((next() & 1) << 15) | ((10 + next() % 6) << 10) | (next() % 1024)); }
+static const float E2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+enum { SFMT_E8M0 = 99 };
+
+/* A quantized matrix [rows, cols] in one of the kernels' formats, and its values. */
+typedef struct { int fmt, sfmt, group; long rows, cols; void *W, *S; float *val; } qmat;
+
+static qmat qmat_make(int fmt, int sfmt, int group, long rows, long cols) {
+    qmat q = {fmt, fmt == F_MXFP4 ? SFMT_E8M0 : sfmt, fmt == F_MXFP4 ? 32 : group, rows, cols, 0, 0, 0};
+    const long ng = cols / q.group;
+    q.val = xmalloc(sizeof(float) * rows * cols);
+    q.S = xmalloc((size_t)rows * ng * 4);
+    if (fmt == F_INT8) q.W = xmalloc((size_t)rows * cols);
+    else q.W = xmalloc((size_t)rows * cols / 2);
+    for (long r = 0; r < rows; r++)
+        for (long g = 0; g < ng; g++) {
+            float s;
+            if (q.sfmt == SFMT_E8M0) { uint8_t b = (uint8_t)(122 + next() % 6); ((uint8_t *)q.S)[r * ng + g] = b; s = ldexpf(1.0f, b - 127); }
+            else if (q.sfmt == S_F32) { s = unif() * 0.05f; ((float *)q.S)[r * ng + g] = s; }
+            else if (q.sfmt == S_BF16) { uint16_t b = bf16_of(unif() * 0.05f); ((uint16_t *)q.S)[r * ng + g] = b; s = bf16_val(b); }
+            else { uint16_t h = f16_rand(); ((uint16_t *)q.S)[r * ng + g] = h; s = f16_val(h); }
+            for (long c = g * q.group; c < (g + 1) * q.group; c++) {
+                float v;
+                if (fmt == F_INT8) { int8_t code = (int8_t)((int)(next() % 255) - 127); ((int8_t *)q.W)[r * cols + c] = code; v = code; }
+                else {
+                    uint8_t code = (uint8_t)(next() & 15), *b = (uint8_t *)q.W + (r * cols + c) / 2;
+                    *b = (c & 1) ? (uint8_t)((*b & 0x0F) | (code << 4)) : (uint8_t)((*b & 0xF0) | code);
+                    v = fmt == F_MXFP4 ? E2M1[code] : (float)((int)code - 8);
+                }
+                q.val[r * cols + c] = v * s;
+            }
+        }
+    return q;
+}
+static void qmat_free(qmat *q) { free(q->W); free(q->S); free(q->val); }
+
+static void record(const char *name, const float *y, long n, const float *ref) {
+    char nm[48] = {0};
+    strncpy(nm, name, sizeof nm - 1);
+    int64_t nn = n, nr = ref ? n : 0;
+    fwrite(nm, 1, sizeof nm, out);
+    fwrite(&nn, 8, 1, out);
+    fwrite(y, 4, (size_t)n, out);
+    fwrite(&nr, 8, 1, out);
+    if (ref) fwrite(ref, 4, (size_t)n, out);
+}
+static void check(int rc, const char *what) { if (rc) { fprintf(stderr, "%s: error %d\n", what, rc); exit(2); } }
+
+/* The kernels' 8-bit activations (q8, llama.cpp's Q8_0): per 32 values d = max|v| / 127 and v = d * round(v / d),
+ * rounding to nearest even; x [n, K] -> a copy holding the values the integer dots see. */
+static float *q8_values(const float *x, long n, long Kd) {
+    float *q = xmalloc(4 * n * Kd);
+    for (long c = 0; c < n * Kd / 32; c++) {
+        const float *v = x + 32 * c;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < 32; j++) q[32 * c + j] = d * (float)lrintf(v[j] * id);
+    }
+    return q;
+}
+
+/* y[n, N] = x[n, K] @ val^T in float64 */
+static void ref_matmul_t(const float *x, long n, long Kd, const float *val, long N, float *y) {
+    for (long r = 0; r < n; r++)
+        for (long o = 0; o < N; o++) {
+            double s = 0;
+            for (long k = 0; k < Kd; k++) s += (double)x[r * Kd + k] * val[o * Kd + k];
+            y[r * N + o] = (float)s;
+        }
+}
+
+static void case_linear_q(int fmt, int sfmt, int group, int q8, long n) {
+    const long Kd = 256, N = 37;
+    qmat q = qmat_make(fmt, sfmt, group, N, Kd);
+    float *x = xmalloc(4 * n * Kd), *y = xmalloc(4 * n * N), *ref = xmalloc(4 * n * N);
+    fill(x, n * Kd);
+    tm_lin_t l;
+    memset(&l, 0, sizeof l);
+    l.fmt = fmt; l.sfmt = sfmt; l.group = q.group; l.q8 = q8; l.nthreads = 2; l.n = n; l.K = Kd; l.N = N;
+    l.x = x; l.y = y; l.W = q.W; l.S = q.S;
+    l.xq = xmalloc((size_t)n * Kd); l.xd = xmalloc(4 * (size_t)n * K.q8_ldd(Kd)); l.xq_rows = n;
+    check(K.linear_q(&l), "tm_linear_q");
+    float *xr = q8 ? q8_values(x, n, Kd) : x;
+    ref_matmul_t(xr, n, Kd, q.val, N, ref);
+    if (q8) free(xr);
+    char name[48];
+    snprintf(name, sizeof name, "linear_q/fmt%d/s%d/g%d/q8%d/n%ld", fmt, sfmt, q.group, q8, n);
+    record(name, y, n * N, ref);
+    free(x); free(y); free(ref); free(l.xq); free(l.xd); qmat_free(&q);
+}
+
+static void case_linear_bf16(long n) {
+    const long Kd = 200, N = 37;
+    uint16_t *W = xmalloc(2 * N * Kd);
+    float *val = xmalloc(4 * N * Kd), *x = xmalloc(4 * n * Kd), *y = xmalloc(4 * n * N), *ref = xmalloc(4 * n * N);
+    for (long i = 0; i < N * Kd; i++) { W[i] = bf16_of(unif()); val[i] = bf16_val(W[i]); }
+    fill(x, n * Kd);
+    check(K.linear_bf16(x, n, Kd, W, N, y, 2), "tm_linear_bf16");
+    ref_matmul_t(x, n, Kd, val, N, ref);
+    char name[48];
+    snprintf(name, sizeof name, "linear_bf16/n%ld", n);
+    record(name, y, n * N, ref);
+    free(W); free(val); free(x); free(y); free(ref);
+}
+
+static void case_rms_norm(long G) {
+    const long rows = 6, D = 100;
+    float *x = xmalloc(4 * rows * D), *w = xmalloc(4 * G * D), *y = xmalloc(4 * rows * D), *ref = xmalloc(4 * rows * D);
+    fill(x, rows * D);
+    fill(w, G * D);
+    check(K.rms_norm(x, rows, D, w, G, 1e-6f, y), "tm_rms_norm");
+    for (long r = 0; r < rows; r++) {
+        double ss = 0;
+        for (long i = 0; i < D; i++) ss += (double)x[r * D + i] * x[r * D + i];
+        const double inv = 1.0 / sqrt(ss / D + 1e-6);
+        for (long i = 0; i < D; i++) ref[r * D + i] = (float)(w[(r % G) * D + i] * (x[r * D + i] * inv));
+    }
+    char name[48];
+    snprintf(name, sizeof name, "rms_norm/G%ld", G);
+    record(name, y, rows * D, ref);
+    free(x); free(w); free(y); free(ref);
+}
+
+/* Three experts of 1, 3 and 4 rows (the kernels' one- to four-row paths): SwiGLU silu(x Wg) * (x Wu) then Wd. */
+static void case_moe(int fmt, int sfmt, int q8) {
+    const int Hin = 128, I = 96, Hout = 64, E = 3;
+    const int64_t row0[3] = {0, 1, 4}, rows[3] = {1, 3, 4};
+    const long n = 8;
+    int64_t ptrs[3 * P_N];
+    memset(ptrs, 0, sizeof ptrs);
+    float *gv[3], *uv[3], *dv[3];                 /* values: gate / up [I, Hin], down [Hout, I] */
+    qmat qs[9];
+    void *dense_w[6] = {0};
+    for (int e = 0; e < E; e++) {
+        if (fmt == F_BF16) {                      /* input-major: gate|up fused [Hin, 2I], down [I, Hout] */
+            uint16_t *gu = xmalloc(2 * (size_t)Hin * 2 * I), *dw = xmalloc(2 * (size_t)I * Hout);
+            gv[e] = xmalloc(4 * I * Hin); uv[e] = xmalloc(4 * I * Hin); dv[e] = xmalloc(4 * Hout * I);
+            for (int i = 0; i < Hin; i++)
+                for (int j = 0; j < 2 * I; j++) {
+                    uint16_t b = bf16_of(unif() * 0.2f);
+                    gu[i * 2 * I + j] = b;
+                    if (j < I) gv[e][j * Hin + i] = bf16_val(b); else uv[e][(j - I) * Hin + i] = bf16_val(b);
+                }
+            for (int i = 0; i < I; i++)
+                for (int o = 0; o < Hout; o++) { uint16_t b = bf16_of(unif() * 0.2f); dw[i * Hout + o] = b; dv[e][o * I + i] = bf16_val(b); }
+            ptrs[e * P_N + P_GATE_W] = (int64_t)(intptr_t)gu;
+            ptrs[e * P_N + P_DOWN_W] = (int64_t)(intptr_t)dw;
+            dense_w[2 * e] = gu; dense_w[2 * e + 1] = dw;
+        } else {                                  /* output-major codes and scales */
+            qs[3 * e] = qmat_make(fmt, sfmt, 32, I, Hin);
+            qs[3 * e + 1] = qmat_make(fmt, sfmt, 32, I, Hin);
+            qs[3 * e + 2] = qmat_make(fmt, sfmt, 32, Hout, I);
+            gv[e] = qs[3 * e].val; uv[e] = qs[3 * e + 1].val; dv[e] = qs[3 * e + 2].val;
+            int64_t *p = ptrs + e * P_N;
+            p[P_GATE_W] = (int64_t)(intptr_t)qs[3 * e].W; p[P_GATE_S] = (int64_t)(intptr_t)qs[3 * e].S;
+            p[P_UP_W] = (int64_t)(intptr_t)qs[3 * e + 1].W; p[P_UP_S] = (int64_t)(intptr_t)qs[3 * e + 1].S;
+            p[P_DOWN_W] = (int64_t)(intptr_t)qs[3 * e + 2].W; p[P_DOWN_S] = (int64_t)(intptr_t)qs[3 * e + 2].S;
+        }
+    }
+    float *x = xmalloc(4 * n * Hin), *y = xmalloc(4 * n * Hout), *h = xmalloc(4 * n * 2 * I), *ref = xmalloc(4 * n * Hout);
+    fill(x, n * Hin);
+    const long ldq = Hin > I ? Hin : I;
+    tm_moe_t a;
+    memset(&a, 0, sizeof a);
+    a.fmt = fmt; a.sfmt = sfmt; a.group = 32; a.bias_fmt = -1; a.act = 0; a.H_in = Hin; a.I = I; a.H_out = Hout;
+    a.n_exp = E; a.nthreads = 2; a.row0 = row0; a.rows = rows; a.ptrs = ptrs; a.x = x; a.y = y; a.h = h; a.q8 = q8;
+    a.xq = xmalloc((size_t)n * ldq); a.xd = xmalloc(4 * (size_t)n * K.q8_ldd(ldq)); a.n_rows = n; a.scratch_rows = n;
+    check(K.moe(&a), "tm_moe");
+    float *g = xmalloc(4 * I), *u = xmalloc(4 * I);
+    for (int e = 0; e < E; e++)
+        for (long r = row0[e]; r < row0[e] + rows[e]; r++) {
+            const int qa = q8 && fmt != F_BF16;
+            float *xr = qa ? q8_values(x + r * Hin, 1, Hin) : x + r * Hin;
+            ref_matmul_t(xr, 1, Hin, gv[e], I, g);
+            ref_matmul_t(xr, 1, Hin, uv[e], I, u);
+            for (int j = 0; j < I; j++) g[j] = (float)(g[j] / (1.0 + exp(-(double)g[j])) * u[j]);
+            float *gr = qa ? q8_values(g, 1, I) : g;
+            ref_matmul_t(gr, 1, I, dv[e], Hout, ref + r * Hout);
+            if (qa) { free(xr); free(gr); }
+        }
+    char name[48];
+    snprintf(name, sizeof name, "moe/fmt%d/s%d/q8%d", fmt, sfmt, q8);
+    record(name, y, n * Hout, ref);
+    for (int e = 0; e < E; e++) {
+        if (fmt == F_BF16) { free(gv[e]); free(uv[e]); free(dv[e]); free(dense_w[2 * e]); free(dense_w[2 * e + 1]); }
+        else for (int i = 0; i < 3; i++) qmat_free(&qs[3 * e + i]);
+    }
+    free(x); free(y); free(h); free(ref); free(g); free(u); free(a.xq); free(a.xd);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) { fprintf(stderr, "usage: %s LIBRARY.so OUT.bin\n", argv[0]); return 2; }
+    void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 2; }
+#define SYM(f, s) if (!(*(void **)&K.f = dlsym(lib, s))) { fprintf(stderr, "no %s\n", s); return 2; }
+    SYM(version, "tm_version") SYM(isa, "tm_isa") SYM(moe, "tm_moe") SYM(linear_q, "tm_linear_q")
+    SYM(q8_ldd, "tm_q8_ldd") SYM(linear_bf16, "tm_linear_bf16") SYM(rms_norm, "tm_rms_norm")
+    if (!(out = fopen(argv[2], "wb"))) { perror(argv[2]); return 2; }
+    printf("abi %d isa %d\n", K.version(), K.isa());
+    static const long ns[] = {1, 2, 3, 4, 5, 8};
+    for (int q8 = 0; q8 < 2; q8++)
+        for (unsigned i = 0; i < sizeof ns / sizeof *ns; i++) {
+            for (int s = S_F32; s <= S_F16; s++) case_linear_q(F_INT4, s, 32, q8, ns[i]);
+            case_linear_q(F_INT4, S_BF16, 64, q8, ns[i]);
+            case_linear_q(F_MXFP4, 0, 32, q8, ns[i]);
+            case_linear_q(F_INT8, S_F16, 32, q8, ns[i]);
+        }
+    for (long n = 1; n <= 5; n++) case_linear_bf16(n);
+    case_rms_norm(1);
+    case_rms_norm(3);
+    case_moe(F_BF16, 0, 0);
+    for (int q8 = 0; q8 < 2; q8++) {
+        case_moe(F_INT4, S_BF16, q8);
+        case_moe(F_MXFP4, 0, q8);
+        case_moe(F_INT8, S_F16, q8);
+    }
+    fclose(out);
+    return 0;
+}
