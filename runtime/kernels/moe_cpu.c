@@ -222,10 +222,11 @@ int tm_sanitized(void) {
 }
 
 /* q8 scratch per activation row of K values: K code bytes (ldq), and ``tm_q8_ldd(K)`` 32-bit words of
- * scales. AVX2: one float per 32. VNNI: per quad of 32-chunks a 16-float scale vector and a 16-int32
- * offset correction laid out as the vpdpbusd lanes use them, plus 16 words for each of up to three
+ * scales. AVX2: one float per 32, then per 32 an 8-int32 offset correction for int4 codes (lane 0: 8 x the
+ * block's code sum, the rest 0: see nib_4rows_q8). VNNI: per quad of 32-chunks a 16-float scale vector and a
+ * 16-int32 offset correction laid out as the vpdpbusd lanes use them, plus 16 words for each of up to three
  * chunks left over (see q8_quantize); int8 weights (natural order) use pairs: the larger of the two. */
-int64_t tm_q8_ldd(int64_t K) { return TM_VNNI ? (K / 64) * 32 + 48 : K / 32; }
+int64_t tm_q8_ldd(int64_t K) { return TM_VNNI ? (K / 64) * 32 + 48 : K / 32 + K / 4; }
 
 /* ---- element decoding ------------------------------------------------------------------------ */
 static inline float bf16_to_f32(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -678,8 +679,11 @@ static void quant_proj_q8v(const tm_moe_t *a, const void *W, const void *S, int 
     }
 }
 #else
+/* bias 8 (int4 codes): after the K / 32 scales, per block 8 int32 - lane 0 the block's code sum times 8,
+ * lanes 1-7 zero - which the int4 dot subtracts: sum (q - 8) x = sum q x - 8 sum x, so the codes go into
+ * maddubs unsigned as they lie (no table, no sign moves) and one subtraction per block corrects them. */
 static void q8_quantize(const float *x, int K, int8_t *q, float *d, int bias, int nat) {
-    (void)bias;
+    int32_t *corr = (int32_t *)(d + K / 32);
     for (int c = 0; c < K / 32; c++) {
         const float *v = x + 32 * c;
         float amax = 0.0f;
@@ -690,9 +694,15 @@ static void q8_quantize(const float *x, int K, int8_t *q, float *d, int bias, in
             for (int j = 0; j < 32; j++) q[32 * c + j] = (int8_t)lrintf(v[j] * id);
             continue;
         }
+        int sum = 0;
         for (int j = 0; j < 16; j++) {
             q[32 * c + j] = (int8_t)lrintf(v[2 * j] * id);
             q[32 * c + 16 + j] = (int8_t)lrintf(v[2 * j + 1] * id);
+            sum += q[32 * c + j] + q[32 * c + 16 + j];
+        }
+        if (bias == 8) {
+            memset(corr + 8 * c, 0, 8 * sizeof(int32_t));
+            corr[8 * c] = 8 * sum;
         }
     }
 }
@@ -707,37 +717,58 @@ static inline AI void nib_scales(const void *srow, int sfmt, int per, int mx, in
         for (int i = 0; i < n; i++) sc[i] = scale_at(srow, sfmt, (c0 + i) / per);
 }
 
+/* One 32-weight block c of a 4-bit row against R activation rows, into acc[0..R) (nib_row_q8). */
+static inline AI void nib_blk_q8(const int R, const int mx, const uint8_t *wrow, int c, int nc, float sw,
+                                 __m256i lut2, const int8_t *xq, const float *xd, long ldq, long ldd, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    if (!(c & 3)) PF(wrow + 16 * c);
+    const __m128i b = _mm_loadu_si128((const __m128i *)(wrow + 16 * c));
+    /* low nibbles in the low lane, high in the high lane: evens | odds, as x is stored */
+    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), m4);
+    if (!mx) {      /* int4: the codes unsigned, less 8 x the activations' code sum (q8_quantize) */
+        for (int r = 0; r < R; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 32 * c));
+            const __m256i cv = _mm256_loadu_si256((const __m256i *)((const int32_t *)(xd + r * ldd + nc) + 8 * c));
+            const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), cv);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sw * xd[r * ldd + c]), acc[r]);
+        }
+        return;
+    }
+    const __m256i w = _mm256_shuffle_epi8(lut2, u);
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; r++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 32 * c));
+        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sw * xd[r * ldd + c]), acc[r]);
+    }
+}
+
 /* The AVX2 build's 4-bit x q8 row (int4 / mxfp4 weights against 8-bit activations, llama.cpp's Q4_0 x Q8_0
- * dot): per 32 weights one 16-byte load decoded by one 256-bit shuffle, maddubs on |w| and sign(x, w), the
- * block's int32 sums scaled by weight scale x activation scale. The weight scales of up to 64 blocks are
- * decoded into sc first (no format test per block), and two accumulators per row split the fmadd chain. */
+ * dot), for R activation rows: per 32 weights one 16-byte load; int4 codes go into maddubs unsigned and the
+ * block's int32 sums are corrected by 8 x the activation codes' sum (q8_quantize wrote it), mxfp4 codes are
+ * decoded by one 256-bit shuffle and multiplied as |w| x sign(x, w); the sums are scaled by weight scale x
+ * activation scale. The weight scales of up to 64 blocks are decoded into sc first (no format test per block);
+ * with one or two rows, blocks alternate between two accumulators per row (kept in registers: their indices are
+ * constants). */
 static inline __attribute__((always_inline)) void nib_row_q8(const int R, const uint8_t *wrow, const void *srow,
         int sfmt, int group, int mx, int K, __m128i lut, const int8_t *xq, const float *xd, long ldq, long ldd,
         float *out, long ldo) {
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), lut2 = _mm256_broadcastsi128_si256(lut);
-    __m256 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i lut2 = _mm256_broadcastsi128_si256(lut);
+    __m256 acc0[4], acc1[4];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     const int per = group / 32, nc = K / 32;
     float sc[64];
     for (int c0 = 0; c0 < nc; c0 += 64) {
         const int n = nc - c0 < 64 ? nc - c0 : 64;
         nib_scales(srow, sfmt, per, mx, c0, n, sc);
-        for (int i = 0; i < n; i++) {
-            const int c = c0 + i;
-            if (!(c & 3)) PF(wrow + 16 * c);
-            const __m128i b = _mm_loadu_si128((const __m128i *)(wrow + 16 * c));
-            /* low nibbles in the low lane, high in the high lane: evens | odds, as x is stored */
-            const __m256i w = _mm256_shuffle_epi8(lut2, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), m4));
-            const __m256i aw = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < R; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 32 * c));
-                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
-                acc[r][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sc[i] * xd[r * ldd + c]),
-                                                acc[r][i & 1]);
-            }
+        int i = 0;
+        for (; i + 2 <= n; i += 2) {    /* three or four rows are chains enough: one accumulator each (registers) */
+            nib_blk_q8(R, mx, wrow, c0 + i, nc, sc[i], lut2, xq, xd, ldq, ldd, acc0);
+            nib_blk_q8(R, mx, wrow, c0 + i + 1, nc, sc[i + 1], lut2, xq, xd, ldq, ldd, R >= 3 ? acc0 : acc1);
         }
+        if (i < n) nib_blk_q8(R, mx, wrow, c0 + i, nc, sc[i], lut2, xq, xd, ldq, ldd, acc0);
     }
-    for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 /* Four output rows against one activation row (a decode token), the same dot as nib_row_q8: the activation
@@ -750,9 +781,31 @@ static inline AI void nib_4rows_q8(const uint8_t *wrow, long ldw, const uint8_t 
     for (int o = 0; o < 4; o++) acc[o] = _mm256_setzero_ps();
     const int per = group / 32, nc = K / 32;
     float sc[4][64];
+    const int32_t *corr = (const int32_t *)(xd + nc);
     for (int c0 = 0; c0 < nc; c0 += 64) {
         const int n = nc - c0 < 64 ? nc - c0 : 64;
         for (int o = 0; o < 4; o++) nib_scales(srow + o * lds, sfmt, per, mx, c0, n, sc[o]);
+        if (!mx) {
+            /* int4: the codes unsigned as they lie, less 8 x the activation block's code sum (q8_quantize), and
+             * weight scale x activation scale taken once per block and row before the dots */
+            for (int o = 0; o < 4; o++)
+                for (int i = 0; i < n; i++) sc[o][i] *= xd[c0 + i];
+            for (int i = 0; i < n; i++) {
+                const int c = c0 + i;
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
+                const __m256i cv = _mm256_loadu_si256((const __m256i *)(corr + 8 * c));
+                if (!(c & 3))           /* one test for the four rows' prefetches */
+                    for (int o = 0; o < 4; o++) PF(wrow + o * ldw + 16 * c);
+                for (int o = 0; o < 4; o++) {
+                    const uint8_t *p = wrow + o * ldw + 16 * c;
+                    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+                    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), m4);
+                    const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), cv);
+                    acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sc[o][i]), acc[o]);
+                }
+            }
+            continue;
+        }
         for (int i = 0; i < n; i++) {
             const int c = c0 + i;
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));

@@ -120,6 +120,7 @@ TM_SI __m256i _mm256_and_si256(__m256i a, __m256i b) { return TM_M256I(vandq_s32
 TM_SI __m256i _mm256_or_si256(__m256i a, __m256i b) { return TM_M256I(vorrq_s32(a.lo, b.lo), vorrq_s32(a.hi, b.hi)); }
 TM_SI __m256i _mm256_xor_si256(__m256i a, __m256i b) { return TM_M256I(veorq_s32(a.lo, b.lo), veorq_s32(a.hi, b.hi)); }
 TM_SI __m256i _mm256_add_epi32(__m256i a, __m256i b) { return TM_M256I(vaddq_s32(a.lo, b.lo), vaddq_s32(a.hi, b.hi)); }
+TM_SI __m256i _mm256_sub_epi32(__m256i a, __m256i b) { return TM_M256I(vsubq_s32(a.lo, b.lo), vsubq_s32(a.hi, b.hi)); }
 TM_SI __m256i _mm256_slli_epi32(__m256i a, int n) {
     if (n > 31) return TM_M256I(vdupq_n_s32(0), vdupq_n_s32(0));
     return TM_M256I(vshlq_s32(a.lo, vdupq_n_s32(n)), vshlq_s32(a.hi, vdupq_n_s32(n)));

@@ -204,26 +204,34 @@ static void case_moe(int fmt, int sfmt, int q8) {
     a.n_exp = E; a.nthreads = 2; a.row0 = row0; a.rows = rows; a.ptrs = ptrs; a.x = x; a.y = y; a.h = h; a.q8 = q8;
     a.xq = xmalloc((size_t)n * ldq); a.xd = xmalloc(4 * (size_t)n * K.q8_ldd(ldq)); a.n_rows = n; a.scratch_rows = n;
     check(K.moe(&a), "tm_moe");
-    float *g = xmalloc(4 * I), *u = xmalloc(4 * I);
+    /* The activation between the two halves (h [rows, :I] holds it after the call) against its reference; the down
+     * projection's reference then starts from the kernel's own activation: with 8-bit activations a value that
+     * lands within float rounding of a half step may round to the other code in the two (a step of the block's
+     * scale), which is the q8 rule applied to equal-but-for-rounding inputs, not an error of the down projection. */
+    float *g = xmalloc(4 * I), *u = xmalloc(4 * I), *act = xmalloc(4 * n * I), *act_ref = xmalloc(4 * n * I);
+    const int qa = q8 && fmt != F_BF16;
     for (int e = 0; e < E; e++)
         for (long r = row0[e]; r < row0[e] + rows[e]; r++) {
-            const int qa = q8 && fmt != F_BF16;
             float *xr = qa ? q8_values(x + r * Hin, 1, Hin) : x + r * Hin;
             ref_matmul_t(xr, 1, Hin, gv[e], I, g);
             ref_matmul_t(xr, 1, Hin, uv[e], I, u);
-            for (int j = 0; j < I; j++) g[j] = (float)(g[j] / (1.0 + exp(-(double)g[j])) * u[j]);
-            float *gr = qa ? q8_values(g, 1, I) : g;
+            for (int j = 0; j < I; j++) act_ref[r * I + j] = (float)(g[j] / (1.0 + exp(-(double)g[j])) * u[j]);
+            memcpy(act + r * I, h + r * 2 * I, 4 * (size_t)I);
+            const float *in = qa ? act + r * I : act_ref + r * I;
+            float *gr = qa ? q8_values(in, 1, I) : (float *)in;
             ref_matmul_t(gr, 1, I, dv[e], Hout, ref + r * Hout);
             if (qa) { free(xr); free(gr); }
         }
     char name[48];
+    snprintf(name, sizeof name, "moe/fmt%d/s%d/q8%d/act", fmt, sfmt, q8);
+    record(name, act, n * I, act_ref);
     snprintf(name, sizeof name, "moe/fmt%d/s%d/q8%d", fmt, sfmt, q8);
     record(name, y, n * Hout, ref);
     for (int e = 0; e < E; e++) {
         if (fmt == F_BF16) { free(gv[e]); free(uv[e]); free(dv[e]); free(dense_w[2 * e]); free(dense_w[2 * e + 1]); }
         else for (int i = 0; i < 3; i++) qmat_free(&qs[3 * e + i]);
     }
-    free(x); free(y); free(h); free(ref); free(g); free(u); free(a.xq); free(a.xd);
+    free(x); free(y); free(h); free(ref); free(g); free(u); free(act); free(act_ref); free(a.xq); free(a.xd);
 }
 
 int main(int argc, char **argv) {

@@ -20,7 +20,7 @@ from runtime.kernels import build
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "kernels_driver.c")
 CROSS, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
-N_CASES = 86          # kernels_driver.c main(): 72 linear_q, 5 linear_bf16, 2 rms_norm, 7 moe
+N_CASES = 93          # kernels_driver.c main(): 72 linear_q, 5 linear_bf16, 2 rms_norm, 7 moe (+ their activations)
 
 
 def _tools():
