@@ -69,5 +69,9 @@ int tm_moe(const tm_moe_t *a);
 int tm_linear_q(const tm_lin_t *l);
 int tm_linear_bf16(const float *x, int64_t n, int64_t K, const uint16_t *W, int64_t N, float *y, int32_t nthreads);
 int tm_rms_norm(const float *x, int64_t rows, int64_t D, const float *w, int64_t G, float eps, float *out);
+int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const float *cos, const float *ssin,
+                  int64_t rd, float *K, float *V, int64_t slots, const int64_t *write, const int64_t *read, int64_t n,
+                  const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale,
+                  const float *sinks, float *out, float *scratch, int32_t nthreads);
 const char *tm_strerror(int code);
 #endif

@@ -3,6 +3,7 @@
  * machine, runs the x86 build on the same inputs, so the two are compared output for output; where a case has
  * a reference written here from the formats' definitions (dequantize, then float64 sums), both are held to it.
  *
+ * Cases: the quantized and bf16 linears, RMSNorm, the grouped expert call and GQA decode over a paged cache.
  * Usage: kernels_driver LIBRARY.so OUT.bin. Inputs come from a fixed xorshift generator (the same on every
  * machine). Each case appends one record to OUT.bin: name (char[48]), n (int64), n float32 outputs, nref
  * (int64: n or 0), nref float32 reference values. Exit status: 0, or 2 when the library or a call fails. */
@@ -18,6 +19,9 @@ static struct {
     int64_t (*q8_ldd)(int64_t);
     int (*linear_bf16)(const float *, int64_t, int64_t, const uint16_t *, int64_t, float *, int32_t);
     int (*rms_norm)(const float *, int64_t, int64_t, const float *, int64_t, float, float *);
+    int (*gqa_decode)(float *, int64_t, const float *, int64_t, const float *, const float *, int64_t, float *, float *,
+                      int64_t, const int64_t *, const int64_t *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
+                      int64_t, float, const float *, float *, float *, int32_t);
 } K;
 static FILE *out;
 
@@ -234,6 +238,70 @@ static void case_moe(int fmt, int sfmt, int q8) {
     free(x); free(y); free(h); free(ref); free(g); free(u); free(act); free(act_ref); free(a.xq); free(a.xd);
 }
 
+/* GQA decode over a paged cache: 3 sequences at positions 4, 8 and 11 of their 12 read slots (scattered), 8 query
+ * heads on 2 kv heads of 64, rotate-half RoPE on the first 32 channels; with sinks (gpt-oss) or without. */
+static void case_gqa(int with_sinks) {
+    enum { B = 3, NH = 8, NKV = 2, HD = 64, RD = 32, N = 12, SLOTS = 40 };
+    const long ld = (NH + NKV) * HD;
+    const int64_t pos[B] = {4, 8, 11};
+    int64_t read[B * N], write[B];
+    int perm[SLOTS];
+    for (int i = 0; i < SLOTS; i++) perm[i] = i;
+    for (int i = SLOTS - 1; i > 0; i--) { int j = (int)(next() % (uint32_t)(i + 1)), t = perm[i]; perm[i] = perm[j]; perm[j] = t; }
+    for (int i = 0; i < B * N; i++) read[i] = perm[i];
+    for (int b = 0; b < B; b++) write[b] = read[b * N + pos[b]];
+    float *qk = xmalloc(4 * B * ld), *v = xmalloc(4 * B * NKV * HD), *cs = xmalloc(4 * B * RD), *sn = xmalloc(4 * B * RD);
+    float *Kc = xmalloc(4 * SLOTS * NKV * HD), *Vc = xmalloc(4 * SLOTS * NKV * HD), sinks[NH];
+    float *out = xmalloc(4 * B * NH * HD), *ref = xmalloc(4 * B * NH * HD), *scratch = xmalloc(4 * B * NH * N);
+    fill(qk, B * ld); fill(v, B * NKV * HD); fill(Kc, SLOTS * NKV * HD); fill(Vc, SLOTS * NKV * HD); fill(sinks, NH);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < RD / 2; i++) {          /* angle a: cos a on both halves, sin a signed -, + */
+            const double a = (pos[b] + 1) * pow(1e4, -2.0 * i / RD);
+            cs[b * RD + i] = cs[b * RD + i + RD / 2] = (float)cos(a);
+            sn[b * RD + i] = (float)-sin(a);
+            sn[b * RD + i + RD / 2] = (float)sin(a);
+        }
+    /* the reference first, from copies: rotate q and the new k, write k and v, softmax(q k / sqrt(hd)) v */
+    double *q = xmalloc(8 * B * ld), *kc = xmalloc(8 * SLOTS * NKV * HD), *vc = xmalloc(8 * SLOTS * NKV * HD);
+    for (long i = 0; i < B * ld; i++) q[i] = qk[i];
+    for (long i = 0; i < SLOTS * NKV * HD; i++) { kc[i] = Kc[i]; vc[i] = Vc[i]; }
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH + NKV; h++) {
+            double *x = q + b * ld + h * HD, t[RD];
+            for (int i = 0; i < RD; i++)
+                t[i] = x[i] * cs[b * RD + i] + x[(i + RD / 2) % RD] * sn[b * RD + i];
+            memcpy(x, t, sizeof t);
+        }
+        for (int i = 0; i < NKV * HD; i++) {
+            kc[write[b] * NKV * HD + i] = q[b * ld + NH * HD + i];
+            vc[write[b] * NKV * HD + i] = v[b * NKV * HD + i];
+        }
+        for (int h = 0; h < NH; h++) {
+            const int kv = h / (NH / NKV);
+            double p[N], mx = with_sinks ? sinks[h] : -INFINITY, sum = 0;
+            for (int j = 0; j <= pos[b]; j++) {
+                double s = 0;
+                for (int i = 0; i < HD; i++) s += q[b * ld + h * HD + i] * kc[(read[b * N + j] * NKV + kv) * HD + i];
+                p[j] = s / sqrt((double)HD);
+                mx = p[j] > mx ? p[j] : mx;
+            }
+            if (with_sinks) sum += exp(sinks[h] - mx);
+            for (int j = 0; j <= pos[b]; j++) { p[j] = exp(p[j] - mx); sum += p[j]; }
+            for (int i = 0; i < HD; i++) {
+                double o = 0;
+                for (int j = 0; j <= pos[b]; j++) o += p[j] / sum * vc[(read[b * N + j] * NKV + kv) * HD + i];
+                ref[b * NH * HD + h * HD + i] = (float)o;
+            }
+        }
+    }
+    check(K.gqa_decode(qk, ld, v, NKV * HD, cs, sn, RD, Kc, Vc, SLOTS, write, read, N, pos, B, NH, NKV, HD,
+                       (float)(1.0 / sqrt((double)HD)), with_sinks ? sinks : 0, out, scratch, 2), "tm_gqa_decode");
+    char name[48];
+    snprintf(name, sizeof name, "gqa_decode/sinks%d", with_sinks);
+    record(name, out, B * NH * HD, ref);
+    free(qk); free(v); free(cs); free(sn); free(Kc); free(Vc); free(out); free(ref); free(scratch); free(q); free(kc); free(vc);
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) { fprintf(stderr, "usage: %s LIBRARY.so OUT.bin\n", argv[0]); return 2; }
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
@@ -241,6 +309,7 @@ int main(int argc, char **argv) {
 #define SYM(f, s) if (!(*(void **)&K.f = dlsym(lib, s))) { fprintf(stderr, "no %s\n", s); return 2; }
     SYM(version, "tm_version") SYM(isa, "tm_isa") SYM(moe, "tm_moe") SYM(linear_q, "tm_linear_q")
     SYM(q8_ldd, "tm_q8_ldd") SYM(linear_bf16, "tm_linear_bf16") SYM(rms_norm, "tm_rms_norm")
+    SYM(gqa_decode, "tm_gqa_decode")
     if (!(out = fopen(argv[2], "wb"))) { perror(argv[2]); return 2; }
     printf("abi %d isa %d\n", K.version(), K.isa());
     static const long ns[] = {1, 2, 3, 4, 5, 8};
@@ -254,6 +323,8 @@ int main(int argc, char **argv) {
     for (long n = 1; n <= 5; n++) case_linear_bf16(n);
     case_rms_norm(1);
     case_rms_norm(3);
+    case_gqa(0);
+    case_gqa(1);
     case_moe(F_BF16, 0, 0);
     for (int q8 = 0; q8 < 2; q8++) {
         case_moe(F_INT4, S_BF16, q8);
