@@ -1,10 +1,14 @@
-"""Decode tokens/s of tiered-moe against llama.cpp, same checkpoint, same CPU, one run.
+"""Decode and prefill tokens/s of tiered-moe against llama.cpp, same checkpoint, same CPU, one run.
 
-Measures decode speed (tokens/s after the prompt) of both runtimes on one Qwen3-MoE checkpoint built
-here with transformers (seed 0, non-norm parameters x4, saved in bf16) in two shapes - `mid`
-(bench/decode_speed.py's MID) and `wide` (WIDE below: K3-like expert width, routed experts ~93% of
-the weights) - in three paired weight formats: BF16 GGUF vs our bf16 store, Q4_0 vs our int4 store,
-MXFP4_MOE vs our mxfp4 store; each at batch 1 and 8, 1 and 2 threads.
+Measures decode speed (tokens/s after the prompt) of both runtimes on checkpoints built here with transformers
+(seed 0, non-norm parameters x4 - decay parameters kept -, saved in bf16) in five shapes - Qwen3-MoE `mid`
+(bench/decode_speed.py's MID) and `wide` (WIDE below: K3-like expert width, routed experts ~93% of the
+weights), `mla` (DeepSeek-V3-like), `gptoss` (sinks, sliding windows) and `qnext` (Qwen3-Next-like: Gated
+DeltaNet + gated attention; the last two are bench/layer_backends.py's) - in three paired weight formats: BF16
+GGUF vs our bf16 store, Q4_0 vs our int4 store, MXFP4_MOE vs our mxfp4 store; each at batch 1 and 8, 1 and 2
+threads. And prefill (--prefill N, default 512): one N-token prompt, `llama-bench -p N -n 0` against our
+engine at its defaults (time to the first token), 1 and 2 threads. The llama.cpp side (tree, GGUFs, runs) and
+the checkpoints are in bench/llama_cpp_side.py.
 
 How:
 - llama.cpp: vendor/llama.cpp of the llama-cpp-python sdist, built CPU-only (cached: --llama-dir or
@@ -34,18 +38,15 @@ Needs no pip package beyond the project's venv (the converter's qwen3moe path us
 llama.cpp tree, numpy, tqdm, pyyaml, torch, transformers, tokenizers); outside it: cmake, a C/C++
 compiler, network for the sdist (once). Delete --workdir after changing a shape (cached by name).
 
-Usage: python bench/vs_llama_cpp.py [--workdir DIR] [--llama-dir DIR] [--reps 3] [--shapes mid,wide]
-       [--formats bf16,int4,mxfp4] [--out bench/results/vs_llama_cpp.md]
+Usage: python bench/vs_llama_cpp.py [--workdir DIR] [--llama-dir DIR] [--reps 3] [--shapes mid,wide,mla,gptoss,qnext]
+       [--formats bf16,int4,mxfp4] [--prefill 512] [--no-decode] [--out bench/results/vs_llama_cpp.md]
 """
 import argparse
 import json
 import os
 import platform
-import random
 import shlex
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
@@ -57,14 +58,13 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 import decode_speed  # noqa: E402  (bench/decode_speed.py: MID, prompts, NEW, PROMPT)
+from llama_cpp_side import (CMAKE_FLAGS, EXPERTS_ONLY, FORMATS, SDIST, build_hf, gguf_dense_bytes, ggufs,  # noqa: E402
+                            llama_prefill, llama_rate, llama_tree, log, sh)
+import layer_backends  # noqa: E402  (bench/layer_backends.py: the gpt-oss- and Qwen3-Next-like shapes)
 from runtime.model.convert import convert  # noqa: E402
 from runtime.store import Manifest  # noqa: E402
 
 NEW, PROMPT = decode_speed.NEW, decode_speed.PROMPT
-SDIST = "0.3.36"
-TARGETS = ("llama-bench", "llama-quantize", "llama-batched-bench")
-CMAKE_FLAGS = ["-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
 # K3-like expert width on the MID architecture: hidden 2048, experts 1024 wide (~1.7 GB in bf16).
 WIDE = dict(decode_speed.MID, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
             num_key_value_heads=4, head_dim=128, moe_intermediate_size=1024)
@@ -76,11 +76,27 @@ MLA = dict(_arch="DeepseekV3", vocab_size=4096, hidden_size=512, intermediate_si
            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64,
            qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=4096)
-SHAPES = {"mid": decode_speed.MID, "wide": WIDE, "mla": MLA}
+
+
+def _layer_shape(name: str) -> dict:
+    """bench/layer_backends.py's shape ``name`` (the same checkpoints its A/B decodes) as a SHAPES entry."""
+    _, cls, kw = layer_backends.SHAPES[name]
+    return dict(kw, _arch=cls, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+# gpt-oss-like (sinks, sliding 128 / full alternating, biases, clamped SwiGLU) and Qwen3-Next-like (Gated DeltaNet :
+# gated attention 3:1, a gated shared expert), hidden 512, 8 layers, 32 experts top-4
+SHAPES = {"mid": decode_speed.MID, "wide": WIDE, "mla": MLA, "gptoss": _layer_shape("gptoss"),
+          "qnext": _layer_shape("gdn")}
 
 
 def n_experts(c: dict) -> int:
-    return c.get("num_experts") or c["n_routed_experts"]
+    return c.get("num_experts") or c.get("num_local_experts") or c["n_routed_experts"]
+
+
+def expert_width(c: dict) -> int:
+    """An expert's intermediate width (gpt-oss names it intermediate_size: its only MLPs are experts)."""
+    return c.get("moe_intermediate_size") or c["intermediate_size"]
 
 
 def moe_layers(c: dict) -> int:
@@ -89,19 +105,17 @@ def moe_layers(c: dict) -> int:
 
 
 def attention_desc(c: dict) -> str:
+    if c.get("_arch") == "Qwen3Next":
+        return (f"Gated DeltaNet ({c['linear_num_key_heads']} key / {c['linear_num_value_heads']} value heads of "
+                f"{c['linear_key_head_dim']}) : gated attention ({c['num_attention_heads']}/{c['num_key_value_heads']} "
+                f"heads of {c['head_dim']}) 3:1, a gated shared expert")
+    if c.get("_arch") == "GptOss":
+        return (f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads of {c['head_dim']} with sinks, sliding "
+                f"window {c['sliding_window']} / full alternating, biases, clamped SwiGLU")
     if "kv_lora_rank" in c:
         return (f"MLA: {c['num_attention_heads']} heads, latent {c['kv_lora_rank']}, q/k {c['qk_nope_head_dim']} + "
                 f"rotary {c['qk_rope_head_dim']}, v {c['v_head_dim']}, q LoRA {c.get('q_lora_rank') or 'none'}")
     return f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads of {c['head_dim']}"
-# ours -> (llama.cpp type, our --quantize, llama.cpp bits per routed weight)
-FORMATS = {"bf16": ("BF16", None, 16.0), "int4": ("Q4_0", "int4", 4.5), "mxfp4": ("MXFP4_MOE", "mxfp4", 4.25),
-           # The same bytes on both sides: llama.cpp's routed experts 4-bit, every other weight left bf16, as
-           # our 4-bit stores hold them (stock Q4_0 quantizes attention and the head too; MXFP4_MOE makes them Q8_0)
-           "int4-x": ("Q4_0", "int4", 4.5), "mxfp4-x": ("MXFP4_MOE", "mxfp4", 4.25)}
-EXPERTS_ONLY = {"int4-x", "mxfp4-x"}
-KEEP_BF16 = ["--tensor-type", "attn_q=bf16", "--tensor-type", "attn_k=bf16", "--tensor-type", "attn_v=bf16",
-             "--tensor-type", "attn_output=bf16", "--tensor-type", "ffn_gate_inp=bf16", "--output-tensor-type", "bf16",
-             "--token-embedding-type", "bf16"]
 BATCHES, THREADS = (1, 8), (1, 2)
 # 4-bit stores run a second, llama.cpp-like setting: 8-bit activations (--host-act-quant q8) and the dense
 # weights quantized at load as the GGUF holds them (--dense-quant): stock Q4_0 has Q4_0 attention (the head
@@ -117,161 +131,6 @@ DEFAULTS = ("q8", "none")
 def ours_best(r: dict) -> float:
     """Our best setting of a configuration: the defaults, or the llama.cpp-like one where measured."""
     return max(r["ours"], r.get("ours_fast", 0.0))
-
-
-# Run convert_hf_to_gguf.py with an unknown BPE pre-tokenizer named "qwen2" instead of refused.
-CONVERT_SHIM = r"""
-import runpy, sys
-tree = sys.argv[1]
-sys.path[:0] = [tree, tree + "/gguf-py"]
-from conversion.base import TextModel
-orig = TextModel.get_vocab_base_pre
-def pre(self, tokenizer):
-    try:
-        return orig(self, tokenizer)
-    except NotImplementedError:
-        print("vs_llama_cpp: unrecognized BPE pre-tokenizer hash -> 'qwen2'", flush=True)
-        return "qwen2"
-TextModel.get_vocab_base_pre = pre
-sys.argv = [tree + "/convert_hf_to_gguf.py"] + sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def sh(cmd: list, env=None, quiet=True) -> str:
-    """Run a command, raise with its output tail on failure; returns stdout."""
-    p = subprocess.run(cmd, capture_output=quiet, text=True, env=env)
-    if p.returncode:
-        tail = ((p.stdout or "") + (p.stderr or ""))[-3000:]
-        raise RuntimeError(f"failed ({p.returncode}): {shlex.join(cmd)}\n{tail}")
-    return p.stdout or ""
-
-
-# -- llama.cpp -----------------------------------------------------------------------------------
-def llama_tree(llama_dir: "str | None", cache: str) -> tuple:
-    """(source tree, bin dir): the sdist downloaded and extracted into ``cache`` unless ``llama_dir``
-    is given; the three targets built unless present."""
-    if llama_dir:
-        tree = os.path.abspath(llama_dir)
-    else:
-        tree = os.path.join(cache, f"llama_cpp_python-{SDIST}", "vendor", "llama.cpp")
-        if not os.path.isfile(os.path.join(tree, "CMakeLists.txt")):
-            os.makedirs(cache, exist_ok=True)
-            sdist = os.path.join(cache, f"llama_cpp_python-{SDIST}.tar.gz")
-            if not os.path.exists(sdist):
-                log(f"downloading the llama-cpp-python {SDIST} sdist into {cache}")
-                sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"llama-cpp-python=={SDIST}", "-d", cache], quiet=False)
-            log("extracting the sdist")
-            with tarfile.open(sdist) as tf:
-                tf.extractall(cache, filter="data")
-    build = os.path.join(tree, "build")
-    bindir = os.path.join(build, "bin")
-    missing = [t for t in TARGETS if not os.path.exists(os.path.join(bindir, t))]
-    if missing:
-        if not os.path.exists(os.path.join(build, "CMakeCache.txt")):
-            log(f"configuring llama.cpp in {build}")
-            sh(["cmake", "-S", tree, "-B", build] + CMAKE_FLAGS, quiet=False)
-        log(f"building {', '.join(missing)} (-j2; takes a while on 2 cores)")
-        sh(["cmake", "--build", build, "-j2", "--target", *missing], quiet=False)
-    return tree, bindir
-
-
-def ggufs(tree: str, bindir: str, hf: str, work: str, shape: str, formats: list) -> dict:
-    """fmt -> GGUF path: bf16 from the converter, the others quantized from it (cached)."""
-    bf16 = os.path.join(work, f"{shape}-BF16.gguf")
-    if not os.path.exists(bf16):
-        log(f"{shape}: convert_hf_to_gguf.py --outtype bf16 -> {bf16}")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.path.join(tree, "gguf-py")])}
-        sh([sys.executable, "-c", CONVERT_SHIM, tree, hf, "--outtype", "bf16", "--outfile", bf16 + ".part"], env=env)
-        os.replace(bf16 + ".part", bf16)
-    out = {}
-    for f in formats:
-        kind = FORMATS[f][0]
-        tag = kind + ("-experts-only" if f in EXPERTS_ONLY else "")
-        path = os.path.join(work, f"{shape}-{tag}.gguf")
-        if not os.path.exists(path):
-            log(f"{shape}: llama-quantize {tag} -> {path}")
-            extra = KEEP_BF16 if f in EXPERTS_ONLY else []
-            sh([os.path.join(bindir, "llama-quantize"), *extra, bf16, path + ".part", kind, "2"])
-            os.replace(path + ".part", path)
-        out[f] = path
-    return out
-
-
-def gguf_dense_bytes(tree: str, gguf: str) -> int:
-    """Bytes of a GGUF's tensors a decode token reads besides the routed experts (the token embedding is
-    a row lookup; the output head is read whole, or the embedding when tied)."""
-    sys.path.insert(0, os.path.join(tree, "gguf-py"))
-    import gguf as g
-    ts = {t.name: int(t.n_bytes) for t in g.GGUFReader(gguf).tensors}
-    n = sum(v for k, v in ts.items() if "_exps" not in k and k != "token_embd.weight")
-    return n if "output.weight" in ts else n + ts["token_embd.weight"]
-
-
-def llama_rate(bindir: str, gguf: str, batch: int, threads: int) -> tuple:
-    """Decode tokens/s of one llama.cpp run: (rate, build string)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if batch == 1:
-        rows = json.loads(sh([os.path.join(bindir, "llama-bench"), "-m", gguf, "-p", "0", "-n", str(NEW),
-                              "-t", str(threads), "-r", "1", "-o", "json"], env=env))
-        row = next(r for r in rows if r["n_gen"] == NEW)
-        return float(row["avg_ts"]), f"{row.get('build_commit', '?')} (build {row.get('build_number', '?')})"
-    text = sh([os.path.join(bindir, "llama-batched-bench"), "-m", gguf, "-c", "2048", "-b", "2048", "-ub", "512",
-               "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(batch), "-t", str(threads),
-               "--output-format", "jsonl"], env=env)
-    rows = [json.loads(x) for x in text.splitlines() if x.startswith("{") and '"speed_tg"' in x]
-    return float(rows[-1]["speed_tg"]), None
-
-
-# -- checkpoints ---------------------------------------------------------------------------------
-def build_tokenizer(hf: str, vocab: int) -> None:
-    """A byte-level BPE of exactly ``vocab`` tokens (all 256 bytes, so any text encodes) trained on a
-    seeded synthetic corpus, saved as a Qwen2Tokenizer the GGUF converter reads."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    rng = random.Random(0)
-    syl = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"] + list("aeiou")
-    words = ["".join(rng.choice(syl) for _ in range(rng.randint(1, 4))) for _ in range(20000)]
-    corpus = [" ".join(rng.choice(words) for _ in range(12)) + rng.choice([".", ",", "!", "?", "\n", " 123", " 42."])
-              for _ in range(20000)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    if tok.get_vocab_size() != vocab:
-        raise RuntimeError(f"trained tokenizer has {tok.get_vocab_size()} tokens, want {vocab}")
-    tok.save(os.path.join(hf, "tokenizer.json"))
-    cfg = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 32768, "bos_token": None,
-           "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": None,
-           "add_bos_token": False, "add_prefix_space": False, "errors": "replace",
-           "clean_up_tokenization_spaces": False}
-    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-
-
-def build_hf(cfg: dict, hf: str) -> None:
-    """decode_speed.build_mid's recipe for any shape, plus the tokenizer (cached by config.json)."""
-    if os.path.exists(os.path.join(hf, "tokenizer_config.json")):
-        return
-    import transformers
-    cfg = dict(cfg)
-    arch = cfg.pop("_arch", "Qwen3Moe")
-    log(f"building the {arch} checkpoint {hf}")
-    torch.manual_seed(0)
-    m = getattr(transformers, arch + "ForCausalLM")(getattr(transformers, arch + "Config")(**cfg)).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" not in n:
-                p.mul_(4.0)
-    m.to(torch.bfloat16).save_pretrained(hf)
-    del m
-    build_tokenizer(hf, cfg["vocab_size"])
 
 
 def stores(hf: str, work: str, shape: str, formats: list) -> dict:
@@ -321,6 +180,72 @@ def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none", d
         st.close()
     best["dense_bytes"] = dense_bytes(model)
     return best
+
+
+def prefill_worker(store: str, threads: int, n: int) -> dict:
+    """In a fresh process, at the CLI's defaults (the engine's prefill chunk, 8-bit activations): one n-token
+    prompt at batch 1, every expert resident; prompt tokens/s = n / the time to the first token. A warm-up,
+    then the best of two."""
+    from runtime.engine import Engine, SamplingParams
+    from runtime.model import load_model
+    torch.set_num_threads(threads)
+    m = Manifest.read(store)
+    model, st = load_model(store, expert_budget=m.num_layers * m.num_experts * m.blob_stride, policy="lru",
+                           host_act_quant=DEFAULTS[0], dense_quant=DEFAULTS[1])
+    for layer in range(m.num_layers):
+        st.request(layer, list(range(m.num_experts)), 0).wait()
+    best = 0.0
+    try:
+        for rep in range(3):
+            eng = Engine(model, st, max_batch=1, prefetch="none")
+            g = torch.Generator().manual_seed(7 + rep)
+            eng.add_request(torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=1, ignore_eos=True))
+            t0 = time.perf_counter()
+            while eng.has_work():
+                eng.step()
+            if rep:
+                best = max(best, n / (time.perf_counter() - t0))
+    finally:
+        st.close()
+    return {"rate": best}
+
+
+def run_prefill(bindir: str, items: list, reps: int, n: int) -> dict:
+    """items as run_pairs; {(shape, fmt, threads): best prompt tokens/s per side and every run}, interleaved."""
+    best = {}
+    for rep in range(reps):
+        for i, (shape, fmt, gguf, store) in enumerate(items):
+            for t in THREADS:
+                cur = best.setdefault((shape, fmt, t), {"llama": 0.0, "ours": 0.0, "llama_runs": [], "ours_runs": []})
+                for side in (("llama", "ours") if (rep + i) % 2 == 0 else ("ours", "llama")):
+                    if side == "llama":
+                        r = llama_prefill(bindir, gguf, t, n)
+                    else:
+                        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": str(t)}
+                        out = sh([sys.executable, os.path.abspath(__file__), "--prefill-worker", store, str(t), str(n)],
+                                 env=env)
+                        r = json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][-1][7:])["rate"]
+                    cur[side] = max(cur[side], r)
+                    cur[side + "_runs"].append(r)
+                    log(f"rep {rep} {shape} {fmt} prefill pp{n} threads {t} {side}: {r:.1f} tok/s")
+    return best
+
+
+def prefill_section(pp: dict, n: int, shapes: list, formats: list) -> list:
+    L = [f"## Prefill: one {n}-token prompt (pp{n})\n\n",
+         f"llama.cpp `llama-bench -p {n} -n 0` (its default batch 2048 / ubatch 512); ours at the CLI's defaults "
+         f"(prefill chunk 64, 8-bit activations for 4-bit experts), batch 1, every expert resident, prompt tokens / "
+         f"the time to the first token.\n\n",
+         "| shape | weights | threads | llama.cpp tok/s | tiered-moe tok/s | tiered-moe / llama.cpp |\n",
+         "|---|---|---|---|---|---|\n"]
+    for s in shapes:
+        for f in formats:
+            for t in THREADS:
+                r = pp[(s, f, t)]
+                L.append(f"| {s} | {FORMATS[f][0]} / {f} | {t} | {r['llama']:.1f} | {r['ours']:.1f} | "
+                         f"{r['ours'] / r['llama']:.2f} |\n")
+    return L + ["\n"]
 
 
 def dense_bytes(model) -> int:
@@ -413,8 +338,8 @@ def machine() -> str:
             f"{caches}; torch {torch.__version__}")
 
 
-def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> list:
-    L = ["# Decode speed: tiered-moe vs llama.cpp, same checkpoint, same CPU\n\n",
+def report_head(a, meta: dict, formats: list) -> list:
+    return ["# Decode and prefill speed: tiered-moe vs llama.cpp, same checkpoint, same CPU\n\n",
          f"Command: `{meta['command']}`\n\n", f"Machine: {meta['machine']}. 1-minute load average at start / end "
          f"(other jobs may share the machine): {meta['load'][0]:.1f} / {meta['load'][1]:.1f}.\n\n",
          f"llama.cpp: vendor/llama.cpp of the llama-cpp-python {SDIST} sdist, build {meta['build']}, CPU only "
@@ -425,10 +350,14 @@ def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> 
          f"interleaved reps per side (every run is in the .json). Pairs: "
          + "; ".join(f"{FORMATS[f][0]}{' (experts only, the rest bf16)' if f in EXPERTS_ONLY else ''} vs our "
                      f"{FORMATS[f][1] or 'bf16'} store" for f in formats) + ".\n\n"]
+
+
+def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> list:
+    L = report_head(a, meta, formats)
     for s in shapes:
         c = SHAPES[s]
         L += [f"## {s}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers ({moe_layers(c)} with experts) x "
-              f"{n_experts(c)} experts top-{c['num_experts_per_tok']}, expert width {c['moe_intermediate_size']}, "
+              f"{n_experts(c)} experts top-{c['num_experts_per_tok']}, expert width {expert_width(c)}, "
               f"{attention_desc(c)}, vocab {c['vocab_size']}\n\n",
               "| weights | batch | threads | llama.cpp tok/s | tiered-moe defaults tok/s | tiered-moe fast tok/s "
               "| best tiered-moe / llama.cpp |\n", "|---|---|---|---|---|---|---|\n"]
@@ -475,7 +404,7 @@ def bandwidth_section(best, bw, meta, shapes, formats) -> list:
         for f in formats:
             per_tok = moe_layers(c) * c["num_experts_per_tok"]              # routed experts one token reads
             ob = per_tok * meta["blob_bytes"][f"{s}/{f}"]
-            lb = per_tok * 3 * c["hidden_size"] * c["moe_intermediate_size"] * FORMATS[f][2] / 8
+            lb = per_tok * 3 * c["hidden_size"] * expert_width(c) * FORMATS[f][2] / 8
             r = max((best[(s, f, 1, t)] for t in THREADS), key=ours_best)       # our best run at batch 1
             o = ours_best(r)
             side = "ours_fast" if r.get("ours_fast", 0.0) > r["ours"] else "ours"
@@ -515,6 +444,9 @@ def main():
         dq = sys.argv[6] if len(sys.argv) > 6 else "none"
         print("RESULT " + json.dumps(ours_worker(store, batch, threads, aq, dq)), flush=True)
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--prefill-worker":
+        print("RESULT " + json.dumps(prefill_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))), flush=True)
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tiered-moe-bench-vs-llama"))
     ap.add_argument("--llama-dir", default=None, help="an llama.cpp source tree (its build/ is used or built)")
@@ -523,6 +455,8 @@ def main():
     ap.add_argument("--shapes", default="mid,wide")
     ap.add_argument("--formats", default="bf16,int4,mxfp4")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_llama_cpp.md"))
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill column (0: none)")
+    ap.add_argument("--no-decode", action="store_true", help="the prefill column only")
     a = ap.parse_args()
     shapes, formats = a.shapes.split(","), a.formats.split(",")
     bad = [x for x in shapes if x not in SHAPES] + [x for x in formats if x not in FORMATS]
@@ -542,18 +476,23 @@ def main():
             items.append((s, f, gg[f], st[f]))
     log("memory bandwidth")
     bw = bandwidth()
-    res = run_pairs(bindir, items, a.reps)
+    res = run_pairs(bindir, items, a.reps) if not a.no_decode else {"best": {}, "build": None}
+    pp = run_prefill(bindir, items, a.reps, a.prefill) if a.prefill else {}
     best = res["best"]
     meta["build"], meta["load"] = res["build"] or "?", meta["load"] + [os.getloadavg()[0]]
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        f.write("".join(report(a, best, bw, meta, shapes, formats)))
+        text = report(a, best, bw, meta, shapes, formats) if best else report_head(a, meta, formats)
+        f.write("".join(text + (prefill_section(pp, a.prefill, shapes, formats) if pp else [])))
     stem = os.path.splitext(a.out)[0]
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "bandwidth_gbps": bw, "shapes": {s: SHAPES[s] for s in shapes},
                    "rows": [{"shape": s, "format": f, "llama_type": FORMATS[f][0], "batch": b, "threads": t, **v}
-                            for (s, f, b, t), v in best.items()]}, f, indent=1)
-    plot(best, shapes, formats, stem + ".png")
+                            for (s, f, b, t), v in best.items()],
+                   "prefill_rows": [{"shape": s, "format": f, "prompt": a.prefill, "threads": t, **v}
+                                    for (s, f, t), v in pp.items()]}, f, indent=1)
+    if best:
+        plot(best, shapes, formats, stem + ".png")
     log(f"wrote {a.out}, {stem}.json, {stem}.png")
 
 

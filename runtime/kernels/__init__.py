@@ -45,7 +45,7 @@ import threading
 from .build import (FLAGS, ISAS, NEEDS, PREBUILT_DIR, SANITIZE_FLAGS, SRC, compile_to,  # noqa: F401 (re-exported)
                     prebuilt_name, source_bytes, source_key)
 
-ABI_VERSION = 5          # moe_cpu.c tm_version(): a library of another ABI is refused, not called
+ABI_VERSION = 6          # moe_cpu.c tm_version(): a library of another ABI is refused, not called
 ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512-vnni", 4: "neon"}
 
 # Formats and scale dtypes as the C enums number them.
@@ -236,6 +236,8 @@ def _load():
     lib.tm_attn_block.restype = ctypes.c_int
     lib.tm_mla_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.tm_mla_block.restype = ctypes.c_int
+    lib.tm_gdn_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tm_gdn_block.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_float, ctypes.c_void_p]
     lib.tm_rms_norm.restype = ctypes.c_int

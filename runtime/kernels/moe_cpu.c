@@ -40,7 +40,7 @@
 /* The ABI's version: runtime/kernels/__init__.py refuses a library of another one (the cache key is the
  * source, so only a library from elsewhere can be stale). 3: capacities in tm_moe_t / tm_lin_t /
  * tm_layer_t / tm_step_t, and error codes from every entry point. */
-int tm_version(void) { return 5; }
+int tm_version(void) { return 6; }
 
 /* Error codes of the exported entry points, all checked before any work (O(experts + rows + keys),
  * never per element). runtime/kernels/__init__.py mirrors the numbers and raises KernelError naming the
@@ -73,7 +73,7 @@ const char *tm_strerror(int code) {
         case TM_E_BACK: return "a (token, slot)'s row (back) outside the rows computed";
         case TM_E_SCRATCH: return "a scratch buffer smaller than the call needs";
         case TM_E_POS: return "a position (pos) outside the sequence's read slots";
-        case TM_E_SLOT: return "a write / read slot outside the KV cache";
+        case TM_E_SLOT: return "a write / read slot outside the KV cache, or a state slot outside its arena or shared";
         case TM_E_NOMEM: return "out of memory";
         default: return "unknown code";
     }
@@ -1549,6 +1549,7 @@ typedef struct {
     float *K, *V;                     /* this layer's cache [slots, nkv, hd] */
     int64_t slots;                    /* rows of K / V: every write and read slot is below it */
     const float *sinks;               /* [nh] attention sinks (gpt-oss), or NULL */
+    int32_t gated;                    /* 1: qkv ends with a per-channel output gate [nh hd], att *= sigmoid(gate) (Qwen3-Next) */
 } tm_layer_t;
 
 typedef struct {
@@ -1679,9 +1680,10 @@ static int attn_check(const tm_layer_t *L, const tm_step_t *S) {
     if (nh <= 0 || nkv <= 0 || hd <= 0 || nh % nkv || L->rd < 0 || L->rd > hd || L->rd % 2 || L->qk_norm < 0
         || L->qk_norm > 2)
         return TM_E_ARG;
+    if (L->gated < 0 || L->gated > 1) return TM_E_ARG;
     int rc = block_check(L, S, nh * hd);
     if (rc || !B) return rc;
-    const int64_t ld = (nh + 2 * nkv) * hd;
+    const int64_t ld = (nh + 2 * nkv) * hd + (L->gated ? nh * hd : 0);
     if ((rc = desc_check(&L->qkv, H, ld))) return rc;
     if (ld > S->cap_qkv) return TM_E_SCRATCH;
     if (!L->K || !L->V || (L->qk_norm && !L->q_norm) || (L->qk_norm == 2 && !L->k_norm) || (L->rd && (!S->cos || !S->ssin)))
@@ -1731,7 +1733,8 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
     if (!L || !S) return TM_E_NULL;
     int rc = attn_check(L, S);
     if (rc || !S->B) return rc;
-    const long B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, nq = nh + nkv, ld = (nh + 2 * nkv) * hd;
+    const long B = S->B, H = L->H, nh = L->nh, nkv = L->nkv, hd = L->hd, nq = nh + nkv;
+    const long ld = (nh + 2 * nkv) * hd + (L->gated ? nh * hd : 0);      /* q | k | v (| gate) per row */
     const int nt = S->nthreads > 0 ? S->nthreads : 1;
     tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                          /* h: [B, H] */
     if ((rc = lin_apply(&L->qkv, S->h, B, S->qkv, nt, S->xq, S->xd, S->cap_B))) return rc;   /* qkv: [B, ld] */
@@ -1745,6 +1748,12 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
     if ((rc = gqa_decode(S->qkv, ld, S->qkv + nq * hd, ld, L->rd ? S->cos : 0, S->ssin, L->rd, L->K, L->V, S->write,
                          S->read, S->n, S->pos, B, nh, nkv, hd, L->scale, L->sinks, S->att, S->scores, nt, -2)))
         return rc;                                                                   /* att: [B, nh hd] */
+    if (L->gated)                                      /* Qwen3-Next: each output channel through its sigmoid gate */
+        for (long b = 0; b < B; b++) {
+            const float *g = S->qkv + b * ld + (nh + 2 * nkv) * hd;
+            float *o = S->att + b * nh * hd;
+            for (long i = 0; i < nh * hd; i++) o[i] *= 1.0f / (1.0f + expf(-g[i]));
+        }
     return block_tail(L, S, S->att, nt);
 }
 
@@ -1884,4 +1893,137 @@ int tm_mla_block(const tm_layer_t *L, const tm_mla_t *M, const tm_step_t *S) {
     mla_job_t j = {L, M, S, q, qlat, lctx, out};
     pool_run(mla_job, &j, (int)(nt < B * nh ? nt : B * nh));
     return block_tail(L, S, out, nt);
+}
+
+
+/* ---- one Gated DeltaNet decoder layer's token mixer at decode (Qwen3-Next, Qwen3.5) ------------------
+ * runtime/model/linear_attention.py GatedDeltaNet.step in one call, over each sequence's slot of the state
+ * arena (read and written in place, no gather / scatter): h = rmsnorm(x); the projection h -> [q | k | v | z |
+ * b | a] (one matrix: the loader regroups Qwen3-Next's per-key-head rows flat); the short causal depthwise
+ * convolution over q | k | v from the slot's last W-1 inputs (then shifted in) and SiLU; q, k L2-normalised
+ * per key head (q by 1/sqrt(dk) too); per value head (key head = value head / (hv / hk)):
+ *     beta = sigmoid(b), decay = exp(-exp(A_log) softplus(a + dt_bias))
+ *     S <- decay S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+ * and o's gated RMSNorm (o rmsnorm'd over dv, times norm, times silu(z)); then block_tail (out_proj, the
+ * residual, the post norm, the router, the dispatch) as for GQA. */
+typedef struct {
+    int32_t hk, hv, dk, dv;           /* key heads, value heads (a multiple of hk), their widths */
+    int32_t W;                        /* the convolution's kernel (taps); the slot keeps the last W - 1 inputs */
+    float norm_eps;                   /* the gated output norm's eps */
+    tm_lin_desc in;                   /* h -> [2 hk dk + hv dv (conv'd: q | k | v) | hv dv (z) | hv (b) | hv (a)] */
+    const float *conv;                /* [2 hk dk + hv dv, W] taps, oldest input first */
+    const float *A_log, *dt_bias;     /* [hv] */
+    const float *norm;                /* [dv] */
+    float *R;                         /* [slots, hv, dk, dv] the recurrent memory, float32 */
+    float *C;                         /* [slots, 2 hk dk + hv dv, W - 1] the convolution's last inputs */
+    int64_t slots;                    /* rows of R and C: every state slot is below it */
+    const int64_t *state;             /* [B] each sequence's slot (distinct) */
+} tm_gdn_t;
+
+typedef struct { const tm_gdn_t *G; const tm_step_t *S; long pw; float *out; } gdn_job_t;
+
+static inline float softplus1(float x) { return x > 20.0f ? x : log1pf(expf(x)); }   /* torch's threshold 20 */
+static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
+
+/* One (sequence, value head): the rule on the slot's [dk, dv] memory, then the gated norm of its output. */
+static void gdn_job(void *arg, int ith, int nth, tm_bar *bar) {
+    const gdn_job_t *J = (const gdn_job_t *)arg;
+    const tm_gdn_t *G = J->G;
+    const tm_step_t *S = J->S;
+    const long hv = G->hv, dk = G->dk, dv = G->dv, r = G->hv / G->hk, kd = (long)G->hk * dk, cd = 2 * kd + hv * dv;
+    (void)bar;
+    SPLIT(S->B * hv, t0, t1);
+    for (long t = t0; t < t1; t++) {
+        const long b = t / hv, h = t % hv, g = h / r;
+        const float *p = S->qkv + b * J->pw;                 /* the sequence's projection, q | k | v conv'd in place */
+        const float *q = p + g * dk, *k = p + kd + g * dk, *v = p + 2 * kd + h * dv;
+        const float *z = p + cd + h * dv, bb = p[cd + hv * dv + h], aa = p[cd + hv * dv + hv + h];
+        const float beta = 1.0f / (1.0f + expf(-bb));
+        const float decay = expf(-expf(G->A_log[h]) * softplus1(aa + G->dt_bias[h]));
+        float *M = G->R + (G->state[b] * hv + h) * dk * dv;  /* M: [dk, dv] */
+        float *o = J->out + t * dv;                          /* out: [B, hv, dv] */
+        float u[dv];
+        for (long j = 0; j < dv; j++) u[j] = 0.0f;
+        for (long i = 0; i < dk; i++) {                      /* M <- decay M, and u = M^T k on the way */
+            float *row = M + i * dv;
+            const __m256 d8 = _mm256_set1_ps(decay), k8 = _mm256_set1_ps(k[i]);
+            long j = 0;
+            for (; j + 8 <= dv; j += 8) {
+                const __m256 m = _mm256_mul_ps(_mm256_loadu_ps(row + j), d8);
+                _mm256_storeu_ps(row + j, m);
+                _mm256_storeu_ps(u + j, _mm256_fmadd_ps(m, k8, _mm256_loadu_ps(u + j)));
+            }
+            for (; j < dv; j++) { row[j] *= decay; u[j] += row[j] * k[i]; }
+        }
+        for (long j = 0; j < dv; j++) { u[j] = (v[j] - u[j]) * beta; o[j] = 0.0f; }
+        for (long i = 0; i < dk; i++) {                      /* M <- M + k u^T, and o = M^T q on the way */
+            float *row = M + i * dv;
+            const __m256 k8 = _mm256_set1_ps(k[i]), q8 = _mm256_set1_ps(q[i]);
+            long j = 0;
+            for (; j + 8 <= dv; j += 8) {
+                const __m256 m = _mm256_fmadd_ps(k8, _mm256_loadu_ps(u + j), _mm256_loadu_ps(row + j));
+                _mm256_storeu_ps(row + j, m);
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(m, q8, _mm256_loadu_ps(o + j)));
+            }
+            for (; j < dv; j++) { row[j] += k[i] * u[j]; o[j] += row[j] * q[i]; }
+        }
+        float ss = 0.0f;
+        for (long j = 0; j < dv; j++) ss += o[j] * o[j];
+        const float inv = 1.0f / sqrtf(ss / (float)dv + G->norm_eps);
+        for (long j = 0; j < dv; j++) o[j] = G->norm[j] * (o[j] * inv) * silu1(z[j]);
+    }
+}
+
+/* Scratch: qkv holds the projection [B, 2 hk dk + 2 hv dv + 2 hv]; att holds the heads' outputs [B, hv dv]. */
+static int gdn_check(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S) {
+    const int64_t B = S->B, H = L->H;
+    if (G->hk <= 0 || G->hv <= 0 || G->hv % G->hk || G->dk <= 0 || G->dv <= 0 || G->dv > 4096 || G->W < 1
+        || G->W > 64 || L->nh != G->hv)
+        return TM_E_ARG;
+    int rc = block_check(L, S, (int64_t)G->hv * G->dv);
+    if (rc || !B) return rc;
+    const int64_t cd = 2 * (int64_t)G->hk * G->dk + (int64_t)G->hv * G->dv, pw = cd + (int64_t)G->hv * G->dv + 2 * G->hv;
+    if ((rc = desc_check(&G->in, H, pw))) return rc;
+    if (pw > S->cap_qkv) return TM_E_SCRATCH;
+    if (!G->conv || !G->A_log || !G->dt_bias || !G->norm || !G->R || !G->C || !G->state) return TM_E_NULL;
+    if (G->slots < 0) return TM_E_ARG;
+    for (int64_t b = 0; b < B; b++) {
+        if (G->state[b] < 0 || G->state[b] >= G->slots) return TM_E_SLOT;
+        for (int64_t c = 0; c < b; c++)
+            if (G->state[c] == G->state[b]) return TM_E_SLOT;          /* two sequences on one slot */
+    }
+    return 0;
+}
+
+int tm_gdn_block(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S) {
+    if (!L || !G || !S) return TM_E_NULL;
+    int rc = gdn_check(L, G, S);
+    if (rc || !S->B) return rc;
+    const long B = S->B, H = L->H, W = G->W, kd = (long)G->hk * G->dk, cd = 2 * kd + (long)G->hv * G->dv;
+    const long pw = cd + (long)G->hv * G->dv + 2L * G->hv;
+    const int nt = S->nthreads > 0 ? S->nthreads : 1;
+    tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                  /* h: [B, H] */
+    if ((rc = lin_apply(&G->in, S->h, B, S->qkv, nt, S->xq, S->xd, S->cap_B))) return rc;   /* qkv: [B, pw] */
+    for (long b = 0; b < B; b++) {
+        float *p = S->qkv + b * pw, *cs = G->C + G->state[b] * cd * (W - 1);
+        for (long c = 0; c < cd; c++) {                  /* the causal conv's newest output, the input shifted in */
+            const float *w = G->conv + c * W;
+            float *st = cs + c * (W - 1), acc = 0.0f;
+            for (long j = 0; j < W - 1; j++) acc += st[j] * w[j];
+            acc += p[c] * w[W - 1];
+            for (long j = 0; j + 1 < W - 1; j++) st[j] = st[j + 1];
+            if (W > 1) st[W - 2] = p[c];
+            p[c] = silu1(acc);
+        }
+        for (long g = 0; g < 2L * G->hk; g++) {          /* q and k heads L2-normalised (as FLA: + 1e-6 inside) */
+            float *u = p + g * G->dk, ss = 0.0f;
+            for (long j = 0; j < G->dk; j++) ss += u[j] * u[j];
+            const float inv = 1.0f / sqrtf(ss + 1e-6f) * (g < G->hk ? 1.0f / sqrtf((float)G->dk) : 1.0f);
+            for (long j = 0; j < G->dk; j++) u[j] *= inv;
+        }
+    }
+    gdn_job_t j = {G, S, pw, S->att};
+    const long work = B * G->hv;
+    pool_run(gdn_job, &j, (int)(nt < work ? nt : work));
+    return block_tail(L, S, S->att, nt);
 }

@@ -71,10 +71,8 @@ class Attention(Sublayer):
         self._sinks32 = None if self.sinks is None else self.sinks.float().contiguous()   # [nh], the kernel's
 
     def fused_refusal(self) -> "str | None":
-        """The fused CPU decode (layers/fused.py) takes paged or window-ring attention with plain RoPE, sinks
-        or none (gpt-oss), without an output gate."""
-        if self.gated:
-            return "gated attention"
+        """The fused CPU decode (layers/fused.py) takes paged or window-ring attention with full or partial
+        RoPE, sinks or none (gpt-oss), the output gate or none (Qwen3-Next)."""
         return None
 
     @classmethod

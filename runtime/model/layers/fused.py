@@ -4,9 +4,9 @@ A decode step of the composed layers runs ~25 small ops per layer - norms, proje
 cache writes, attention, the residual adds, the router's softmax and top-k, the dispatch in numpy -
 each costing 3-10 us of Python and dispatch around a few us of work; on a mid-size model that was
 more time than the weights took to read (bench/results/vs_llama_cpp.md). Here one call - ``tm_attn_block``
-for GQA (sliding-window rings and sinks included), ``tm_mla_block`` for MLA (weight absorption over the
-latent cache) - does x += o(attention(rmsnorm(x))), h = rmsnorm(x), the router's logits, its top-k
-and the dispatch (each expert's rows, as ``moe_block.dispatch`` sorts them); Python then asks the
+for GQA (sliding-window rings, sinks and Qwen3-Next's output gate included), ``tm_mla_block`` for MLA
+(weight absorption over the latent cache), ``tm_gdn_block`` for Gated DeltaNet (the recurrent state in
+place) - does x += o(mixer(rmsnorm(x))), h = rmsnorm(x), the router's logits, its top-k and the dispatch (each expert's rows, as ``moe_block.dispatch`` sorts them); Python then asks the
 expert store for those experts exactly as the composed block does (placement, hit counting, hybrid
 decisions and the recorded routing stay where they are), and ``tm_moe`` adds the experts' weighted
 sum into x. The shared experts, prefetch hooks and every case the kernel does not take (experts still
@@ -15,7 +15,7 @@ streaming in, waves, more rows than the kernel's GEMV takes) run through the com
 It is a backend of the layer objects: ``build_fused`` gives each decoder layer a ``FusedDecode`` (its
 ``forward`` from then on) where the layer's sublayers and the kernel's limits allow, else None and why
 (``why_not``; the sublayers answer for themselves through layers/protocol.py, and name their kernel
-through ``fused_part``, a key of ``ATTENTION_PARTS``): gated attention, linear attention, dense MLP layers, LatentMoE, routers other than
+through ``fused_part``, a key of ``ATTENTION_PARTS``): KDA, dense MLP layers, LatentMoE, routers other than
 softmax -> top-k, top-k -> softmax and sigmoid with group-limited top-k, weights the kernels cannot read
 in place. Those layers run composed in the same step."""
 from __future__ import annotations
@@ -48,7 +48,8 @@ class LayerArgs(ctypes.Structure):
                 ("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("correction", _P),
                 ("qkv", LinDesc), ("o", LinDesc), ("gate", LinDesc), ("K", _P), ("V", _P),
                 ("slots", _I64),            # rows of K / V: the C checks every write / read slot below it
-                ("sinks", _P)]              # [nh] float32 attention sinks (gpt-oss), or NULL
+                ("sinks", _P),              # [nh] float32 attention sinks (gpt-oss), or NULL
+                ("gated", _I32)]            # 1: qkv ends with the output gate (Qwen3-Next), att *= sigmoid(gate)
 
 
 class MLAArgs(ctypes.Structure):
@@ -112,6 +113,7 @@ class GQAPart:
         if attn.sinks is not None:
             L.sinks = _f32(attn.sinks, keep)
         L.qkv, L.o = lin_desc(attn.qkv), lin_desc(attn.o)
+        L.gated = int(bool(attn.gated))
         self.widths = (L.qkv.N, L.o.K, attn.nh, max(L.qkv.K, L.o.K))    # qkv, att, heads, widest input
         self.ring = attn.window if attn.windowed else 0
         self._kv = None
@@ -196,8 +198,62 @@ class MLAPart:
         return lib.tm_mla_block(ctypes.byref(L), ctypes.byref(M), ctypes.byref(a))
 
 
+class GDNArgs(ctypes.Structure):
+    """moe_cpu.c's tm_gdn_t: a Gated DeltaNet token mixer's half of a layer's arguments."""
+    _fields_ = [("hk", _I32), ("hv", _I32), ("dk", _I32), ("dv", _I32), ("W", _I32), ("norm_eps", _F), ("in_", LinDesc),
+                ("conv", _P), ("A_log", _P), ("dt_bias", _P), ("norm", _P), ("R", _P), ("C", _P), ("slots", _I64),
+                ("state", _P)]
+
+
+class GDNPart:
+    """The token-mixer half of a fused Gated DeltaNet layer (``tm_gdn_block``, Qwen3-Next / Qwen3.5): the
+    projection, the short convolution, the gated delta rule on each sequence's slot of the state arena (in
+    place) and the gated output norm - ``GatedDeltaNet.step`` and the arena's gather / scatter in one call."""
+
+    def __init__(self, attn, L: LayerArgs, keep: list) -> None:
+        self.attn = attn
+        gdn, c = attn.layer, attn.layer.cfg
+        G = self.gargs = GDNArgs()
+        G.hk, G.hv, G.dk, G.dv, G.W = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, c.conv_kernel_size
+        G.norm_eps = c.rms_norm_eps
+        G.in_ = lin_desc(gdn.in_proj)
+        G.conv, G.A_log, G.dt_bias = _f32(gdn.conv, keep), _f32(gdn.A_log, keep), _f32(gdn.dt_bias, keep)
+        G.norm = _f32(gdn.norm, keep)
+        L.nh, L.nkv, L.hd, L.scale = c.num_v_heads, 1, c.head_k_dim, 1.0
+        L.o = lin_desc(gdn.out_proj)
+        self.widths = (G.in_.N, c.value_dim, c.num_v_heads, max(G.in_.K, L.o.K))
+        self.ring = 0
+        self._kv = None
+
+    @staticmethod
+    def why_not(attn, cfg) -> "str | None":
+        gdn = attn.layer
+        if any(lin_desc(lin) is None if isinstance(lin, Linear) else True for lin in (gdn.in_proj, gdn.out_proj)):
+            return "projections the kernels cannot read in place"
+        c = gdn.cfg
+        if c.head_v_dim > 4096 or c.conv_kernel_size > 64:
+            return "sizes past the kernel's limits"
+        return None
+
+    def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+        G, kv = self.gargs, ctx.kv
+        cache = kv[self.attn.i]
+        if kv is not self._kv:            # the state arena this layer reads and writes in place
+            R, C = cache.recurrent, cache.conv
+            if R.dtype != torch.float32 or C.dtype != torch.float32 or not (R.is_contiguous() and C.is_contiguous()):
+                raise RuntimeError(f"layer {self.attn.i}: the fused Gated DeltaNet reads a contiguous float32 state "
+                                   f"arena, got {R.dtype} / {C.dtype}")
+            self._kv = kv
+            G.R, G.C, G.slots = R.data_ptr(), C.data_ptr(), R.shape[0]
+        if ctx.fresh is not None:         # a sequence's first token starts from the zero state
+            cache.recurrent[ctx.fresh] = 0
+            cache.conv[ctx.fresh] = 0
+        G.state = ctx.state.data_ptr()    # [B] int64, alive with ctx for the call
+        return lib.tm_gdn_block(ctypes.byref(L), ctypes.byref(G), ctypes.byref(a))
+
+
 # attention sublayer's ``fused_part`` -> the part that runs it fused
-ATTENTION_PARTS = {"gqa": GQAPart, "mla": MLAPart}
+ATTENTION_PARTS = {"gqa": GQAPart, "mla": MLAPart, "gdn": GDNPart}
 
 
 class StepBuffers:
@@ -220,10 +276,11 @@ class StepBuffers:
         if B > self.B or max(n, self.ring) > self.n:     # scores: as long as the paged context or a window ring
             self._alloc(max(B, self.B), max(n, self.ring, 2 * self.n, 64))
         a = self.args
-        cos, ssin = ctx.rope_heads
+        # no rotary tables where no layer reads them (a model whose fused layers are all linear attention)
+        cos, ssin = ctx.rope_heads if ctx.rope_heads is not None else (None, None)
         a.B, a.n, a.x = B, n, x.data_ptr()
-        a.cos, a.ssin, a.write, a.read, a.pos = (cos.data_ptr(), ssin.data_ptr(), ctx.write.data_ptr(),
-                                                 ctx.read.data_ptr(), ctx.pos.data_ptr())
+        a.cos, a.ssin = (cos.data_ptr(), ssin.data_ptr()) if cos is not None else (None, None)
+        a.write, a.read, a.pos = ctx.write.data_ptr(), ctx.read.data_ptr(), ctx.pos.data_ptr()
         a.nthreads = kernels.threads()
         self.x, self.ctx, self.Bk = x, ctx, B * self.dims[5]
         self._keep = (cos, ssin)

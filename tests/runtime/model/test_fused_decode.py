@@ -1,4 +1,4 @@
-"""The fused CPU decode (runtime/model/layers/fused.py: a GQA or MLA + MoE layer in two kernel calls) against
+"""The fused CPU decode (runtime/model/layers/fused.py: a GQA, MLA or Gated DeltaNet + MoE layer in two kernel calls) against
 the composed layers it replaces (TIERED_MOE_FUSED_DECODE=0) on the same store: the same logits at
 every decode step of a batch of sequences of different lengths, the same expert requests (store hits
 per tier, the recorded routing trace) with every expert resident and with 10% of them on the device
@@ -28,7 +28,10 @@ FUSED = {"mixtral": [0, 1, 2], "qwen2_moe": [0, 1, 2], "qwen3_moe": [0, 2], "olm
          # MLA (tm_mla_block): q through q_lora with interleaved RoPE (V3), one q_proj with YaRN (V3 yarn), no RoPE
          # (Kimi-Linear's full layer between its KDA layers)
          "deepseek_v3": [1, 2], "deepseek_v3_yarn": [1, 2], "deepseek_v2_lite": [1, 2], "glm4_moe_lite": [1, 2],
-         "kimi_linear": [1], "deepseek_v2": [1, 2], "kimi_k25": [1, 2]}
+         "kimi_linear": [1], "deepseek_v2": [1, 2], "kimi_k25": [1, 2],
+         # Gated DeltaNet (tm_gdn_block, the state arena in place) and gated attention with partial RoPE
+         # (tm_attn_block's output gate); Qwen3-Next's layer 2 is a dense MLP, Qwen3.5's flat projections
+         "qwen3_next": [0, 1], "qwen3_5_moe_text": [0, 1, 2]}
 SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe"}
 
 
