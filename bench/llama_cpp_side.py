@@ -98,7 +98,12 @@ def ggufs(tree: str, bindir: str, hf: str, work: str, shape: str, formats: list)
     if not os.path.exists(bf16):
         log(f"{shape}: convert_hf_to_gguf.py --outtype bf16 -> {bf16}")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.path.join(tree, "gguf-py")])}
-        sh([sys.executable, "-c", CONVERT_SHIM, tree, hf, "--outtype", "bf16", "--outfile", bf16 + ".part"], env=env)
+        with open(os.path.join(hf, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+        # Qwen3-Next's converter expects MTP layers unless told there are none (ours have none)
+        extra = ["--no-mtp"] if "Qwen3NextForCausalLM" in archs else []
+        sh([sys.executable, "-c", CONVERT_SHIM, tree, hf, "--outtype", "bf16", "--outfile", bf16 + ".part", *extra],
+           env=env)
         os.replace(bf16 + ".part", bf16)
     out = {}
     for f in formats:

@@ -233,7 +233,7 @@ def run_prefill(bindir: str, items: list, reps: int, n: int) -> dict:
 
 
 def prefill_section(pp: dict, n: int, shapes: list, formats: list) -> list:
-    L = [f"## Prefill: one {n}-token prompt (pp{n})\n\n",
+    L = [f"\n## Prefill: one {n}-token prompt (pp{n})\n\n",
          f"llama.cpp `llama-bench -p {n} -n 0` (its default batch 2048 / ubatch 512); ours at the CLI's defaults "
          f"(prefill chunk 64, 8-bit activations for 4-bit experts), batch 1, every expert resident, prompt tokens / "
          f"the time to the first token.\n\n",

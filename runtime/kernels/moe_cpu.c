@@ -1896,23 +1896,32 @@ int tm_mla_block(const tm_layer_t *L, const tm_mla_t *M, const tm_step_t *S) {
 }
 
 
-/* ---- one Gated DeltaNet decoder layer's token mixer at decode (Qwen3-Next, Qwen3.5) ------------------
- * runtime/model/linear_attention.py GatedDeltaNet.step in one call, over each sequence's slot of the state
- * arena (read and written in place, no gather / scatter): h = rmsnorm(x); the projection h -> [q | k | v | z |
- * b | a] (one matrix: the loader regroups Qwen3-Next's per-key-head rows flat); the short causal depthwise
- * convolution over q | k | v from the slot's last W-1 inputs (then shifted in) and SiLU; q, k L2-normalised
- * per key head (q by 1/sqrt(dk) too); per value head (key head = value head / (hv / hk)):
- *     beta = sigmoid(b), decay = exp(-exp(A_log) softplus(a + dt_bias))
- *     S <- decay S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
- * and o's gated RMSNorm (o rmsnorm'd over dv, times norm, times silu(z)); then block_tail (out_proj, the
- * residual, the post norm, the router, the dispatch) as for GQA. */
+/* ---- one linear-attention decoder layer's token mixer at decode: Gated DeltaNet (Qwen3-Next, Qwen3.5) and
+ * Kimi Delta Attention (Kimi-Linear, Kimi K3) ---------------------------------------------------------------
+ * runtime/model/linear_attention.py's GatedDeltaNet.step / KimiDeltaAttention.step in one call, over each
+ * sequence's slot of the state arena (read and written in place, no gather / scatter): h = rmsnorm(x); the
+ * projections of h; the short causal depthwise convolution over q | k | v from the slot's last W-1 inputs
+ * (then shifted in) and SiLU; q, k L2-normalised per key head (q by 1/sqrt(dk) too); per value head (key head
+ * = value head / (hv / hk)), with beta = sigmoid(b) and a decay per key channel i:
+ *     S[i, :] <- decay_i S[i, :];  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+ * o's gated RMSNorm (o rmsnorm'd over dv, times norm, times act(gate)); then block_tail (the output
+ * projection, the residual, the post norm, the router, the dispatch) as for GQA.
+ *   Gated DeltaNet (kind 0): one projection h -> [q | k | v | z | b | a] (the loader regroups Qwen3-Next's
+ *     per-key-head rows flat); decay_i = exp(-exp(A_log[h]) softplus(a[h] + dt_bias[h])) for every i; act SiLU.
+ *   KDA (kind 1, hk = hv, dk = dv): qkv from one projection, b from another, the decay's f = f_b(f_a(h)) and
+ *     the gate g_b(g_a(h)) low-rank; decay_i = exp(-exp(A_log[h]) softplus(f[h, i] + dt_bias[h, i])); act
+ *     sigmoid. */
 typedef struct {
+    int32_t kind;                     /* 0 Gated DeltaNet, 1 KDA */
     int32_t hk, hv, dk, dv;           /* key heads, value heads (a multiple of hk), their widths */
     int32_t W;                        /* the convolution's kernel (taps); the slot keeps the last W - 1 inputs */
+    int32_t rank;                     /* KDA: the low-rank width of f_a / g_a */
     float norm_eps;                   /* the gated output norm's eps */
-    tm_lin_desc in;                   /* h -> [2 hk dk + hv dv (conv'd: q | k | v) | hv dv (z) | hv (b) | hv (a)] */
+    tm_lin_desc in;                   /* GDN: h -> [2 hk dk + hv dv (conv'd: q | k | v) | hv dv (z) | hv (b) | hv (a)];
+                                       * KDA: h -> [3 hv dk] (q | k | v) */
+    tm_lin_desc f_a, f_b, b, g_a, g_b;  /* KDA: h -> rank -> hv dk (decay); h -> hv (beta); h -> rank -> hv dk (gate) */
     const float *conv;                /* [2 hk dk + hv dv, W] taps, oldest input first */
-    const float *A_log, *dt_bias;     /* [hv] */
+    const float *A_log, *dt_bias;     /* [hv]; dt_bias [hv] (GDN) or [hv dk] (KDA) */
     const float *norm;                /* [dv] */
     float *R;                         /* [slots, hv, dk, dv] the recurrent memory, float32 */
     float *C;                         /* [slots, 2 hk dk + hv dv, W - 1] the convolution's last inputs */
@@ -1920,7 +1929,14 @@ typedef struct {
     const int64_t *state;             /* [B] each sequence's slot (distinct) */
 } tm_gdn_t;
 
-typedef struct { const tm_gdn_t *G; const tm_step_t *S; long pw; float *out; } gdn_job_t;
+/* Where a step's rows are in the qkv scratch: the conv'd q | k | v, the gate's input, beta's and the decay's
+ * (row strides; GDN: all in the one projection's rows, KDA: blocks of B rows each). */
+typedef struct {
+    const tm_gdn_t *G; const tm_step_t *S;
+    float *mix; long ld_mix;
+    const float *gz, *bt, *dc; long ld_gz, ld_bt, ld_dc;
+    float *out;
+} gdn_job_t;
 
 static inline float softplus1(float x) { return x > 20.0f ? x : log1pf(expf(x)); }   /* torch's threshold 20 */
 static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
@@ -1930,21 +1946,23 @@ static void gdn_job(void *arg, int ith, int nth, tm_bar *bar) {
     const gdn_job_t *J = (const gdn_job_t *)arg;
     const tm_gdn_t *G = J->G;
     const tm_step_t *S = J->S;
-    const long hv = G->hv, dk = G->dk, dv = G->dv, r = G->hv / G->hk, kd = (long)G->hk * dk, cd = 2 * kd + hv * dv;
+    const long hv = G->hv, dk = G->dk, dv = G->dv, r = G->hv / G->hk, kd = (long)G->hk * dk;
     (void)bar;
     SPLIT(S->B * hv, t0, t1);
     for (long t = t0; t < t1; t++) {
         const long b = t / hv, h = t % hv, g = h / r;
-        const float *p = S->qkv + b * J->pw;                 /* the sequence's projection, q | k | v conv'd in place */
+        const float *p = J->mix + b * J->ld_mix;             /* the sequence's q | k | v, conv'd and normed */
         const float *q = p + g * dk, *k = p + kd + g * dk, *v = p + 2 * kd + h * dv;
-        const float *z = p + cd + h * dv, bb = p[cd + hv * dv + h], aa = p[cd + hv * dv + hv + h];
-        const float beta = 1.0f / (1.0f + expf(-bb));
-        const float decay = expf(-expf(G->A_log[h]) * softplus1(aa + G->dt_bias[h]));
+        const float *z = J->gz + b * J->ld_gz + h * dv;
+        const float beta = 1.0f / (1.0f + expf(-J->bt[b * J->ld_bt + h])), A = expf(G->A_log[h]);
         float *M = G->R + (G->state[b] * hv + h) * dk * dv;  /* M: [dk, dv] */
         float *o = J->out + t * dv;                          /* out: [B, hv, dv] */
         float u[dv];
         for (long j = 0; j < dv; j++) u[j] = 0.0f;
+        float decay = G->kind ? 0.0f : expf(-A * softplus1(J->dc[b * J->ld_dc + h] + G->dt_bias[h]));
+        const float *f = J->dc + b * J->ld_dc + h * dk, *fb = G->dt_bias + h * dk;     /* KDA: per key channel */
         for (long i = 0; i < dk; i++) {                      /* M <- decay M, and u = M^T k on the way */
+            if (G->kind) decay = expf(-A * softplus1(f[i] + fb[i]));
             float *row = M + i * dv;
             const __m256 d8 = _mm256_set1_ps(decay), k8 = _mm256_set1_ps(k[i]);
             long j = 0;
@@ -1970,21 +1988,32 @@ static void gdn_job(void *arg, int ith, int nth, tm_bar *bar) {
         float ss = 0.0f;
         for (long j = 0; j < dv; j++) ss += o[j] * o[j];
         const float inv = 1.0f / sqrtf(ss / (float)dv + G->norm_eps);
-        for (long j = 0; j < dv; j++) o[j] = G->norm[j] * (o[j] * inv) * silu1(z[j]);
+        for (long j = 0; j < dv; j++)
+            o[j] = G->norm[j] * (o[j] * inv) * (G->kind ? 1.0f / (1.0f + expf(-z[j])) : silu1(z[j]));
     }
 }
 
-/* Scratch: qkv holds the projection [B, 2 hk dk + 2 hv dv + 2 hv]; att holds the heads' outputs [B, hv dv]. */
+/* The qkv scratch a row needs: GDN the one projection [2 hk dk + 2 hv dv + 2 hv]; KDA q | k | v [3 hv dk], the
+ * decay's f [hv dk], b [hv], the gate [hv dk] and the two low-rank rows [rank] each. */
+static int64_t gdn_width(const tm_gdn_t *G) {
+    const int64_t hv = G->hv, dk = G->dk, dv = G->dv, kd = (int64_t)G->hk * dk;
+    return G->kind ? 5 * hv * dk + hv + 2 * (int64_t)G->rank : 2 * kd + 2 * hv * dv + 2 * hv;
+}
+
 static int gdn_check(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S) {
-    const int64_t B = S->B, H = L->H;
-    if (G->hk <= 0 || G->hv <= 0 || G->hv % G->hk || G->dk <= 0 || G->dv <= 0 || G->dv > 4096 || G->W < 1
-        || G->W > 64 || L->nh != G->hv)
+    const int64_t B = S->B, H = L->H, hv = G->hv, dk = G->dk;
+    if (G->kind < 0 || G->kind > 1 || G->hk <= 0 || hv <= 0 || hv % G->hk || dk <= 0 || G->dv <= 0 || G->dv > 4096
+        || G->W < 1 || G->W > 64 || L->nh != hv || (G->kind && (G->hk != hv || G->dv != dk || G->rank <= 0)))
         return TM_E_ARG;
-    int rc = block_check(L, S, (int64_t)G->hv * G->dv);
+    int rc = block_check(L, S, hv * G->dv);
     if (rc || !B) return rc;
-    const int64_t cd = 2 * (int64_t)G->hk * G->dk + (int64_t)G->hv * G->dv, pw = cd + (int64_t)G->hv * G->dv + 2 * G->hv;
-    if ((rc = desc_check(&G->in, H, pw))) return rc;
-    if (pw > S->cap_qkv) return TM_E_SCRATCH;
+    const int64_t kd = (int64_t)G->hk * dk, cd = 2 * kd + hv * G->dv;
+    if (G->kind == 0 && (rc = desc_check(&G->in, H, cd + hv * G->dv + 2 * hv))) return rc;
+    if (G->kind == 1 && ((rc = desc_check(&G->in, H, cd)) || (rc = desc_check(&G->f_a, H, G->rank))
+                         || (rc = desc_check(&G->f_b, G->rank, hv * dk)) || (rc = desc_check(&G->b, H, hv))
+                         || (rc = desc_check(&G->g_a, H, G->rank)) || (rc = desc_check(&G->g_b, G->rank, hv * dk))))
+        return rc;
+    if (gdn_width(G) > S->cap_qkv || (G->kind && G->rank > S->cap_K)) return TM_E_SCRATCH;
     if (!G->conv || !G->A_log || !G->dt_bias || !G->norm || !G->R || !G->C || !G->state) return TM_E_NULL;
     if (G->slots < 0) return TM_E_ARG;
     for (int64_t b = 0; b < B; b++) {
@@ -1995,34 +2024,59 @@ static int gdn_check(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S)
     return 0;
 }
 
+/* The projections of h into the qkv scratch; fills the job's row pointers. */
+static int gdn_project(const tm_gdn_t *G, const tm_step_t *S, int nt, gdn_job_t *j) {
+    const long B = S->B, hv = G->hv, dk = G->dk, dv = G->dv, kd = (long)G->hk * dk, cd = 2 * kd + hv * dv;
+    int rc;
+#define LIN(d, x, y) if ((rc = lin_apply(d, x, B, y, nt, S->xq, S->xd, S->cap_B))) return rc
+    if (G->kind == 0) {
+        const long pw = cd + hv * dv + 2 * hv;
+        LIN(&G->in, S->h, S->qkv);                                              /* qkv: [B, pw] */
+        j->mix = S->qkv, j->gz = S->qkv + cd, j->bt = S->qkv + cd + hv * dv, j->dc = S->qkv + cd + hv * dv + hv;
+        j->ld_mix = j->ld_gz = j->ld_bt = j->ld_dc = pw;
+        return 0;
+    }
+    float *mix = S->qkv, *f = mix + B * cd, *bt = f + B * hv * dk, *gz = bt + B * hv, *r1 = gz + B * hv * dk;
+    float *r2 = r1 + B * G->rank;
+    LIN(&G->in, S->h, mix);                                                     /* [B, 3 hv dk] */
+    LIN(&G->f_a, S->h, r1);
+    LIN(&G->f_b, r1, f);                                                        /* [B, hv dk] */
+    LIN(&G->b, S->h, bt);                                                       /* [B, hv] */
+    LIN(&G->g_a, S->h, r2);
+    LIN(&G->g_b, r2, gz);                                                       /* [B, hv dk] */
+#undef LIN
+    j->mix = mix, j->gz = gz, j->bt = bt, j->dc = f;
+    j->ld_mix = cd, j->ld_gz = hv * dk, j->ld_bt = hv, j->ld_dc = hv * dk;
+    return 0;
+}
+
 int tm_gdn_block(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S) {
     if (!L || !G || !S) return TM_E_NULL;
     int rc = gdn_check(L, G, S);
     if (rc || !S->B) return rc;
     const long B = S->B, H = L->H, W = G->W, kd = (long)G->hk * G->dk, cd = 2 * kd + (long)G->hv * G->dv;
-    const long pw = cd + (long)G->hv * G->dv + 2L * G->hv;
     const int nt = S->nthreads > 0 ? S->nthreads : 1;
+    gdn_job_t j = {G, S, 0, 0, 0, 0, 0, 0, 0, 0, S->att};
     tm_rms_norm(S->x, B, H, L->in_norm, 1, L->eps, S->h);                  /* h: [B, H] */
-    if ((rc = lin_apply(&G->in, S->h, B, S->qkv, nt, S->xq, S->xd, S->cap_B))) return rc;   /* qkv: [B, pw] */
+    if ((rc = gdn_project(G, S, nt, &j))) return rc;
     for (long b = 0; b < B; b++) {
-        float *p = S->qkv + b * pw, *cs = G->C + G->state[b] * cd * (W - 1);
+        float *p = j.mix + b * j.ld_mix, *cs = G->C + G->state[b] * cd * (W - 1);
         for (long c = 0; c < cd; c++) {                  /* the causal conv's newest output, the input shifted in */
             const float *w = G->conv + c * W;
             float *st = cs + c * (W - 1), acc = 0.0f;
-            for (long j = 0; j < W - 1; j++) acc += st[j] * w[j];
+            for (long i = 0; i < W - 1; i++) acc += st[i] * w[i];
             acc += p[c] * w[W - 1];
-            for (long j = 0; j + 1 < W - 1; j++) st[j] = st[j + 1];
+            for (long i = 0; i + 1 < W - 1; i++) st[i] = st[i + 1];
             if (W > 1) st[W - 2] = p[c];
             p[c] = silu1(acc);
         }
         for (long g = 0; g < 2L * G->hk; g++) {          /* q and k heads L2-normalised (as FLA: + 1e-6 inside) */
             float *u = p + g * G->dk, ss = 0.0f;
-            for (long j = 0; j < G->dk; j++) ss += u[j] * u[j];
+            for (long i = 0; i < G->dk; i++) ss += u[i] * u[i];
             const float inv = 1.0f / sqrtf(ss + 1e-6f) * (g < G->hk ? 1.0f / sqrtf((float)G->dk) : 1.0f);
-            for (long j = 0; j < G->dk; j++) u[j] *= inv;
+            for (long i = 0; i < G->dk; i++) u[i] *= inv;
         }
     }
-    gdn_job_t j = {G, S, pw, S->att};
     const long work = B * G->hv;
     pool_run(gdn_job, &j, (int)(nt < work ? nt : work));
     return block_tail(L, S, S->att, nt);

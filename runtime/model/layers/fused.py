@@ -5,8 +5,8 @@ cache writes, attention, the residual adds, the router's softmax and top-k, the 
 each costing 3-10 us of Python and dispatch around a few us of work; on a mid-size model that was
 more time than the weights took to read (bench/results/vs_llama_cpp.md). Here one call - ``tm_attn_block``
 for GQA (sliding-window rings, sinks and Qwen3-Next's output gate included), ``tm_mla_block`` for MLA
-(weight absorption over the latent cache), ``tm_gdn_block`` for Gated DeltaNet (the recurrent state in
-place) - does x += o(mixer(rmsnorm(x))), h = rmsnorm(x), the router's logits, its top-k and the dispatch (each expert's rows, as ``moe_block.dispatch`` sorts them); Python then asks the
+(weight absorption over the latent cache), ``tm_gdn_block`` for Gated DeltaNet and KDA (the recurrent state
+in place) - does x += o(mixer(rmsnorm(x))), h = rmsnorm(x), the router's logits, its top-k and the dispatch (each expert's rows, as ``moe_block.dispatch`` sorts them); Python then asks the
 expert store for those experts exactly as the composed block does (placement, hit counting, hybrid
 decisions and the recorded routing stay where they are), and ``tm_moe`` adds the experts' weighted
 sum into x. The shared experts, prefetch hooks and every case the kernel does not take (experts still
@@ -15,7 +15,7 @@ streaming in, waves, more rows than the kernel's GEMV takes) run through the com
 It is a backend of the layer objects: ``build_fused`` gives each decoder layer a ``FusedDecode`` (its
 ``forward`` from then on) where the layer's sublayers and the kernel's limits allow, else None and why
 (``why_not``; the sublayers answer for themselves through layers/protocol.py, and name their kernel
-through ``fused_part``, a key of ``ATTENTION_PARTS``): KDA, dense MLP layers, LatentMoE, routers other than
+through ``fused_part``, a key of ``ATTENTION_PARTS``): dense MLP layers, LatentMoE, routers other than
 softmax -> top-k, top-k -> softmax and sigmoid with group-limited top-k, weights the kernels cannot read
 in place. Those layers run composed in the same step."""
 from __future__ import annotations
@@ -199,39 +199,59 @@ class MLAPart:
 
 
 class GDNArgs(ctypes.Structure):
-    """moe_cpu.c's tm_gdn_t: a Gated DeltaNet token mixer's half of a layer's arguments."""
-    _fields_ = [("hk", _I32), ("hv", _I32), ("dk", _I32), ("dv", _I32), ("W", _I32), ("norm_eps", _F), ("in_", LinDesc),
-                ("conv", _P), ("A_log", _P), ("dt_bias", _P), ("norm", _P), ("R", _P), ("C", _P), ("slots", _I64),
-                ("state", _P)]
+    """moe_cpu.c's tm_gdn_t: a linear-attention token mixer's half of a layer's arguments (Gated DeltaNet or KDA)."""
+    _fields_ = [("kind", _I32), ("hk", _I32), ("hv", _I32), ("dk", _I32), ("dv", _I32), ("W", _I32), ("rank", _I32),
+                ("norm_eps", _F), ("in_", LinDesc), ("f_a", LinDesc), ("f_b", LinDesc), ("b", LinDesc), ("g_a", LinDesc),
+                ("g_b", LinDesc), ("conv", _P), ("A_log", _P), ("dt_bias", _P), ("norm", _P), ("R", _P), ("C", _P),
+                ("slots", _I64), ("state", _P)]
 
 
-class GDNPart:
-    """The token-mixer half of a fused Gated DeltaNet layer (``tm_gdn_block``, Qwen3-Next / Qwen3.5): the
-    projection, the short convolution, the gated delta rule on each sequence's slot of the state arena (in
-    place) and the gated output norm - ``GatedDeltaNet.step`` and the arena's gather / scatter in one call."""
+def _delta_parts(mixer) -> tuple:
+    """(kind code, the projections tm_gdn_block reads, in tm_gdn_t's order, and the output norm and projection)
+    of a GatedDeltaNet or KimiDeltaAttention (runtime/model/linear_attention.py)."""
+    if hasattr(mixer, "qkv_proj"):       # KDA
+        return 1, (mixer.qkv_proj, mixer.f_a, mixer.f_b, mixer.b_proj, mixer.g_a, mixer.g_b), mixer.o_norm, mixer.o_proj
+    return 0, (mixer.in_proj,), mixer.norm, mixer.out_proj
+
+
+class DeltaPart:
+    """The token-mixer half of a fused linear-attention layer (``tm_gdn_block``): Gated DeltaNet (Qwen3-Next /
+    Qwen3.5) or Kimi Delta Attention (Kimi-Linear, Kimi K3) - the projections, the short convolution, the
+    gated delta rule on each sequence's slot of the state arena (in place) and the gated output norm: the
+    mixer's ``step`` and the arena's gather / scatter in one call."""
 
     def __init__(self, attn, L: LayerArgs, keep: list) -> None:
         self.attn = attn
-        gdn, c = attn.layer, attn.layer.cfg
+        mixer, c = attn.layer, attn.layer.cfg
+        kind, lins, norm, out = _delta_parts(mixer)
         G = self.gargs = GDNArgs()
-        G.hk, G.hv, G.dk, G.dv, G.W = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, c.conv_kernel_size
-        G.norm_eps = c.rms_norm_eps
-        G.in_ = lin_desc(gdn.in_proj)
-        G.conv, G.A_log, G.dt_bias = _f32(gdn.conv, keep), _f32(gdn.A_log, keep), _f32(gdn.dt_bias, keep)
-        G.norm = _f32(gdn.norm, keep)
-        L.nh, L.nkv, L.hd, L.scale = c.num_v_heads, 1, c.head_k_dim, 1.0
-        L.o = lin_desc(gdn.out_proj)
-        self.widths = (G.in_.N, c.value_dim, c.num_v_heads, max(G.in_.K, L.o.K))
+        G.kind, G.W, G.norm_eps = kind, c.conv_kernel_size, c.rms_norm_eps
+        if kind:
+            G.hk = G.hv = c.num_heads
+            G.dk = G.dv = c.head_dim
+            G.rank = mixer.f_a.out_features
+            G.in_, G.f_a, G.f_b, G.b, G.g_a, G.g_b = (lin_desc(lin) for lin in lins)
+            width = 5 * c.num_heads * c.head_dim + c.num_heads + 2 * G.rank
+        else:
+            G.hk, G.hv, G.dk, G.dv = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
+            G.in_ = lin_desc(lins[0])
+            width = G.in_.N
+        G.conv, G.A_log, G.dt_bias = _f32(mixer.conv, keep), _f32(mixer.A_log, keep), _f32(mixer.dt_bias, keep)
+        G.norm = _f32(norm, keep)
+        L.nh, L.nkv, L.hd, L.scale = G.hv, 1, G.dk, 1.0
+        L.o = lin_desc(out)
+        self.widths = (width, G.hv * G.dv, G.hv, max(max(lin.in_features for lin in lins), L.o.K))
         self.ring = 0
         self._kv = None
 
     @staticmethod
     def why_not(attn, cfg) -> "str | None":
-        gdn = attn.layer
-        if any(lin_desc(lin) is None if isinstance(lin, Linear) else True for lin in (gdn.in_proj, gdn.out_proj)):
+        mixer = attn.layer
+        _, lins, _, out = _delta_parts(mixer)
+        if any(not isinstance(lin, Linear) or lin_desc(lin) is None for lin in (*lins, out)):
             return "projections the kernels cannot read in place"
-        c = gdn.cfg
-        if c.head_v_dim > 4096 or c.conv_kernel_size > 64:
+        c = mixer.cfg
+        if getattr(c, "head_v_dim", getattr(c, "head_dim", 0)) > 4096 or c.conv_kernel_size > 64:
             return "sizes past the kernel's limits"
         return None
 
@@ -241,7 +261,7 @@ class GDNPart:
         if kv is not self._kv:            # the state arena this layer reads and writes in place
             R, C = cache.recurrent, cache.conv
             if R.dtype != torch.float32 or C.dtype != torch.float32 or not (R.is_contiguous() and C.is_contiguous()):
-                raise RuntimeError(f"layer {self.attn.i}: the fused Gated DeltaNet reads a contiguous float32 state "
+                raise RuntimeError(f"layer {self.attn.i}: the fused linear attention reads a contiguous float32 state "
                                    f"arena, got {R.dtype} / {C.dtype}")
             self._kv = kv
             G.R, G.C, G.slots = R.data_ptr(), C.data_ptr(), R.shape[0]
@@ -253,7 +273,7 @@ class GDNPart:
 
 
 # attention sublayer's ``fused_part`` -> the part that runs it fused
-ATTENTION_PARTS = {"gqa": GQAPart, "mla": MLAPart, "gdn": GDNPart}
+ATTENTION_PARTS = {"gqa": GQAPart, "mla": MLAPart, "linear": DeltaPart}
 
 
 class StepBuffers:

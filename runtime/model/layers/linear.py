@@ -42,11 +42,12 @@ class LinearAttentionLayer(Sublayer):
         dt = getattr(w, "dtype", None)
         if dt is not None:
             self.layer.prepare(lambda t: Linear(t if keep is None else t.to(keep), None, dt, **linear_opts(w)))
-        # the fused CPU decode (layers/fused.py GDNPart, tm_gdn_block) takes Gated DeltaNet; KDA runs composed
-        self.fused_part = "gdn" if kind is GatedDeltaNet else None
+
+    # the fused CPU decode (layers/fused.py DeltaPart, tm_gdn_block) takes both kinds, Gated DeltaNet and KDA
+    fused_part = "linear"
 
     def fused_refusal(self) -> "str | None":
-        return None if self.fused_part else "KDA has no fused host decode yet"
+        return None
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:

@@ -1,4 +1,4 @@
-"""The fused CPU decode (runtime/model/layers/fused.py: a GQA, MLA or Gated DeltaNet + MoE layer in two kernel calls) against
+"""The fused CPU decode (runtime/model/layers/fused.py: a GQA, MLA or linear-attention + MoE layer in two kernel calls) against
 the composed layers it replaces (TIERED_MOE_FUSED_DECODE=0) on the same store: the same logits at
 every decode step of a batch of sequences of different lengths, the same expert requests (store hits
 per tier, the recorded routing trace) with every expert resident and with 10% of them on the device
@@ -26,9 +26,9 @@ if kernels.lib() is None:
 FUSED = {"mixtral": [0, 1, 2], "qwen2_moe": [0, 1, 2], "qwen3_moe": [0, 2], "olmoe": [0, 1, 2], "glm4_moe": [1, 2],
          "minimax_m2": [0, 1, 2], "gpt_oss": [0, 1, 2], "ernie4_5_moe": [],
          # MLA (tm_mla_block): q through q_lora with interleaved RoPE (V3), one q_proj with YaRN (V3 yarn), no RoPE
-         # (Kimi-Linear's full layer between its KDA layers)
+         # (Kimi-Linear's full layer between its KDA layers, which fuse through tm_gdn_block)
          "deepseek_v3": [1, 2], "deepseek_v3_yarn": [1, 2], "deepseek_v2_lite": [1, 2], "glm4_moe_lite": [1, 2],
-         "kimi_linear": [1], "deepseek_v2": [1, 2], "kimi_k25": [1, 2],
+         "kimi_linear": [1, 2], "deepseek_v2": [1, 2], "kimi_k25": [1, 2],
          # Gated DeltaNet (tm_gdn_block, the state arena in place) and gated attention with partial RoPE
          # (tm_attn_block's output gate); Qwen3-Next's layer 2 is a dense MLP, Qwen3.5's flat projections
          "qwen3_next": [0, 1], "qwen3_5_moe_text": [0, 1, 2]}
@@ -112,3 +112,24 @@ def test_cache_bonus_and_other_dtypes_run_composed(store, monkeypatch):
         assert len(calls) == len(FUSED[arch])
     finally:
         st.close()
+
+
+def test_linear_attention_state_slots_reused_and_fresh(store, monkeypatch):
+    """Linear-attention layers keep a state per sequence in a slot of the arena, which the fused kernel reads
+    and writes in place: with two slots for five requests the slots are reused (stale contents), and
+    one-token prompts start in a decode step (the slot zeroed first); tokens as composed."""
+    arch, d = store
+    if arch not in ("qwen3_next", "qwen3_5_moe_text", "kimi_linear"):
+        pytest.skip("no linear-attention layer")
+    out = {}
+    for fused in (True, False):
+        model, st = _load(d, fused, 1.0, monkeypatch)
+        try:
+            eng = Engine(model, st, max_batch=2, prefill_chunk=4)
+            ids = [eng.add_request(list(range(5 + n, 5 + 2 * n)), SamplingParams(max_tokens=6, ignore_eos=True))
+                   for n in (1, 5, 1, 2, 1)]
+            eng.run()
+            out[fused] = [eng.done[i].output for i in ids]
+        finally:
+            st.close()
+    assert out[True] == out[False], arch
