@@ -62,6 +62,70 @@ typedef struct {
     int64_t xq_rows;      /* rows xq / xd hold (q8): n <= xq_rows */
 } tm_lin_t;
 
+/* ---- the fused decode layers (runtime/model/layers/fused.py mirrors these with ctypes) ------------------ */
+/* one dense projection as a layer holds it */
+typedef struct {
+    int32_t kind;         /* 0: float32 input-major wt [K, N]; 1: bf16 [N, K]; 2: quantized codes W / scales S [N, K] */
+    int32_t fmt, sfmt, group, q8;
+    int64_t K, N;
+    const void *W, *S;
+    const float *bias;    /* [N] float32 or NULL */
+} tm_lin_desc;
+
+/* a decoder layer's own arguments: its attention's sizes, norms, projections and cache, and its router */
+typedef struct {
+    int32_t H, nh, nkv, hd, rd;       /* rd: rotary channels of a head (RoPE on the first rd) */
+    int32_t qk_norm;                  /* 0 none, 1 per head ([nh + nkv, hd] weights), 2 over q and k ([nh hd], [nkv hd]) */
+    int32_t E, k, router, renorm, n_group, topk_group;
+    float eps, scale, route_scale;
+    const float *in_norm, *post_norm, *q_norm, *k_norm, *correction;
+    tm_lin_desc qkv, o, gate;         /* gate: the router */
+    float *K, *V;                     /* this layer's cache [slots, nkv, hd] */
+    int64_t slots;                    /* rows of K / V: every write and read slot is below it */
+    const float *sinks;               /* [nh] attention sinks (gpt-oss), or NULL */
+    int32_t gated;                    /* 1: qkv ends with a per-channel output gate [nh hd], att *= sigmoid(gate) (Qwen3-Next) */
+} tm_layer_t;
+
+/* one decode step's rows and scratch, shared by the step's fused layers */
+typedef struct {
+    int64_t B, n;                     /* sequences (one token each), keys per sequence read */
+    float *x;                         /* [B, H] the residual stream, updated in place */
+    const float *cos, *ssin;          /* [B, rd] */
+    const int64_t *write, *read, *pos;  /* [B], [B, n], [B] */
+    float *h, *qkv, *att, *tmp, *scores, *logits, *wts;
+    int64_t *ids;                     /* [B, k] */
+    int8_t *xq;
+    float *xd;
+    /* dispatch (out): experts with tokens ascending, their counts and first sorted rows; the token of
+     * each sorted row and the sorted row of each (token, slot) */
+    int64_t *n_used, *used, *counts, *row0, *rows, *tok, *back;
+    int32_t nthreads;
+    /* The scratch's sizes, as layers/fused.py's StepBuffers allocated it (each buffer a product of
+     * these: h [cap_B, cap_H], qkv [cap_B, cap_qkv], att [cap_B, cap_att], scores [cap_B cap_heads cap_n],
+     * logits [cap_B, cap_E], ids / wts / tok / back [cap_B cap_k], xq [cap_B cap_K], xd [cap_B,
+     * tm_q8_ldd(cap_K)], used / counts / row0 / rows [cap_E]): a layer or a batch past one is refused. */
+    int64_t cap_B, cap_n, cap_H, cap_qkv, cap_att, cap_heads, cap_E, cap_k, cap_K;
+} tm_step_t;
+
+/* a linear-attention token mixer's half of a layer (tm_gdn_block: Gated DeltaNet or KDA) */
+typedef struct {
+    int32_t kind;                     /* 0 Gated DeltaNet, 1 KDA */
+    int32_t hk, hv, dk, dv;           /* key heads, value heads (a multiple of hk), their widths */
+    int32_t W;                        /* the convolution's kernel (taps); the slot keeps the last W - 1 inputs */
+    int32_t rank;                     /* KDA: the low-rank width of f_a / g_a */
+    float norm_eps;                   /* the gated output norm's eps */
+    tm_lin_desc in;                   /* GDN: h -> [2 hk dk + hv dv (conv'd: q | k | v) | hv dv (z) | hv (b) | hv (a)];
+                                       * KDA: h -> [3 hv dk] (q | k | v) */
+    tm_lin_desc f_a, f_b, b, g_a, g_b;  /* KDA: h -> rank -> hv dk (decay); h -> hv (beta); h -> rank -> hv dk (gate) */
+    const float *conv;                /* [2 hk dk + hv dv, W] taps, oldest input first */
+    const float *A_log, *dt_bias;     /* [hv]; dt_bias [hv] (GDN) or [hv dk] (KDA) */
+    const float *norm;                /* [dv] */
+    float *R;                         /* [slots, hv, dk, dv] the recurrent memory, float32 */
+    float *C;                         /* [slots, 2 hk dk + hv dv, W - 1] the convolution's last inputs */
+    int64_t slots;                    /* rows of R and C: every state slot is below it */
+    const int64_t *state;             /* [B] each sequence's slot (distinct) */
+} tm_gdn_t;
+
 int tm_version(void);
 int tm_isa(void);
 int64_t tm_q8_ldd(int64_t K);
@@ -73,5 +137,7 @@ int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const 
                   int64_t rd, float *K, float *V, int64_t slots, const int64_t *write, const int64_t *read, int64_t n,
                   const int64_t *pos, int64_t B, int64_t nh, int64_t nkv, int64_t hd, float scale,
                   const float *sinks, float *out, float *scratch, int32_t nthreads);
+int tm_attn_block(const tm_layer_t *L, const tm_step_t *S);
+int tm_gdn_block(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S);
 const char *tm_strerror(int code);
 #endif

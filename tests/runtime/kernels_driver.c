@@ -3,7 +3,8 @@
  * machine, runs the x86 build on the same inputs, so the two are compared output for output; where a case has
  * a reference written here from the formats' definitions (dequantize, then float64 sums), both are held to it.
  *
- * Cases: the quantized and bf16 linears, RMSNorm, the grouped expert call and GQA decode over a paged cache.
+ * Cases: the quantized and bf16 linears, RMSNorm, the grouped expert call, GQA decode over a paged cache and a
+ * linear-attention layer's decode (tm_gdn_block: Gated DeltaNet and KDA, the state arena in place).
  * Usage: kernels_driver LIBRARY.so OUT.bin. Inputs come from a fixed xorshift generator (the same on every
  * machine). Each case appends one record to OUT.bin: name (char[48]), n (int64), n float32 outputs, nref
  * (int64: n or 0), nref float32 reference values. Exit status: 0, or 2 when the library or a call fails. */
@@ -22,6 +23,7 @@ static struct {
     int (*gqa_decode)(float *, int64_t, const float *, int64_t, const float *, const float *, int64_t, float *, float *,
                       int64_t, const int64_t *, const int64_t *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
                       int64_t, float, const float *, float *, float *, int32_t);
+    int (*gdn_block)(const tm_layer_t *, const tm_gdn_t *, const tm_step_t *);
 } K;
 static FILE *out;
 
@@ -302,6 +304,136 @@ static void case_gqa(int with_sinks) {
     free(qk); free(v); free(cs); free(sn); free(Kc); free(Vc); free(out); free(ref); free(scratch); free(q); free(kc); free(vc);
 }
 
+/* float32 input-major [K, N] weights (tm_lin_desc kind 0), scaled by 1/sqrt(K) */
+static float *lin_make(tm_lin_desc *d, long Kd, long N) {
+    float *w = xmalloc(4 * Kd * N);
+    fill(w, Kd * N);
+    for (long i = 0; i < Kd * N; i++) w[i] /= sqrtf((float)Kd);
+    d->kind = 0, d->K = Kd, d->N = N, d->W = w;
+    return w;
+}
+/* y[N] = x[K] @ w [K, N] in float64 */
+static void ref_in_major(const double *x, long Kd, const float *w, long N, double *y) {
+    for (long o = 0; o < N; o++) { double s = 0; for (long k = 0; k < Kd; k++) s += x[k] * w[k * N + o]; y[o] = s; }
+}
+static void ref_rms(double *x, long n, const float *w, double eps) {
+    double ss = 0;
+    for (long i = 0; i < n; i++) ss += x[i] * x[i];
+    const double inv = 1.0 / sqrt(ss / n + eps);
+    for (long i = 0; i < n; i++) x[i] *= inv * w[i];
+}
+static double sig(double v) { return 1.0 / (1.0 + exp(-v)); }
+static double softplus(double v) { return v > 20 ? v : log1p(exp(v)); }
+
+/* kind 0 Gated DeltaNet (hk 2, hv 4, dk 16, dv 8), 1 KDA (3 heads of 16, rank 6); two sequences on slots 3 and 0
+ * of five; no router (the block stops at the logits). Records x after the call and the whole state arena. */
+static void case_gdn(int kind) {
+    enum { H = 48, E = 8, B = 2, W = 4, SLOTS = 5, RANK = 6 };
+    const long hk = kind ? 3 : 2, hv = kind ? 3 : 4, dk = 16, dv = kind ? 16 : 8, kd = hk * dk, cd = 2 * kd + hv * dv;
+    const long pw = cd + hv * dv + 2 * hv, width = kind ? 5 * hv * dk + hv + 2 * RANK : pw, Kmax = H > hv * dv ? H : hv * dv;
+    const int64_t state[B] = {3, 0}, zero[B] = {0, 0};
+    tm_layer_t L = {0};
+    tm_gdn_t G = {0};
+    tm_step_t S = {0};
+    float in_norm[H], post_norm[H], norm[16], A_log[4], dt_bias[3 * 16];
+    fill(in_norm, H); fill(post_norm, H); fill(norm, dv); fill(A_log, hv); fill(dt_bias, kind ? hv * dk : hv);
+    for (int i = 0; i < H; i++) { in_norm[i] = fabsf(in_norm[i]) + 0.5f; post_norm[i] = fabsf(post_norm[i]) + 0.5f; }
+    for (int i = 0; i < dv; i++) norm[i] = fabsf(norm[i]) + 0.5f;
+    L.H = H, L.nh = (int32_t)hv, L.nkv = 1, L.hd = (int32_t)dk, L.E = E, L.k = 1, L.router = -1, L.eps = 1e-6f;
+    L.in_norm = in_norm, L.post_norm = post_norm;
+    float *Wo = lin_make(&L.o, hv * dv, H), *Wg = lin_make(&L.gate, H, E);
+    G.kind = kind, G.hk = (int32_t)hk, G.hv = (int32_t)hv, G.dk = (int32_t)dk, G.dv = (int32_t)dv, G.W = W;
+    G.rank = kind ? RANK : 0, G.norm_eps = 1e-6f;
+    float *Win = lin_make(&G.in, H, kind ? cd : pw), *Wfa = 0, *Wfb = 0, *Wb = 0, *Wga = 0, *Wgb = 0;
+    if (kind) {
+        Wfa = lin_make(&G.f_a, H, RANK), Wfb = lin_make(&G.f_b, RANK, hv * dk), Wb = lin_make(&G.b, H, hv);
+        Wga = lin_make(&G.g_a, H, RANK), Wgb = lin_make(&G.g_b, RANK, hv * dk);
+    }
+    float *conv = xmalloc(4 * cd * W), *R = xmalloc(4 * SLOTS * hv * dk * dv), *C = xmalloc(4 * SLOTS * cd * (W - 1));
+    float *x = xmalloc(4 * B * H);
+    fill(conv, cd * W); fill(R, SLOTS * hv * dk * dv); fill(C, SLOTS * cd * (W - 1)); fill(x, B * H);
+    G.conv = conv, G.A_log = A_log, G.dt_bias = dt_bias, G.norm = norm, G.R = R, G.C = C, G.slots = SLOTS, G.state = state;
+    float *h = xmalloc(4 * B * H), *qkv = xmalloc(4 * B * width), *att = xmalloc(4 * B * hv * dv), *tmp = xmalloc(4 * B * H);
+    float *scores = xmalloc(4 * B * hv), *logits = xmalloc(4 * B * E), *wts = xmalloc(4 * B), *xd = xmalloc(4 * B * K.q8_ldd(Kmax));
+    int8_t *xq = xmalloc(B * Kmax);
+    S.B = B, S.n = 1, S.x = x, S.write = zero, S.read = zero, S.pos = zero, S.nthreads = 2;
+    S.h = h, S.qkv = qkv, S.att = att, S.tmp = tmp, S.scores = scores, S.logits = logits, S.wts = wts, S.xq = xq, S.xd = xd;
+    S.cap_B = B, S.cap_n = 1, S.cap_H = H, S.cap_qkv = width, S.cap_att = hv * dv, S.cap_heads = hv, S.cap_E = E;
+    S.cap_k = 1, S.cap_K = Kmax;
+    /* the reference, in float64 from copies */
+    const long nR = SLOTS * hv * dk * dv;
+    double *Rr = xmalloc(8 * nR), *Cr = xmalloc(8 * SLOTS * cd * (W - 1));
+    float *xref = xmalloc(4 * B * H), *Rref = xmalloc(4 * nR);
+    for (long i = 0; i < nR; i++) Rr[i] = R[i];
+    for (long i = 0; i < SLOTS * cd * (W - 1); i++) Cr[i] = C[i];
+    for (int b = 0; b < B; b++) {
+        double hn[H], p[3 * 16 * 3 + 64], f[48], bt[4], gz[48], r1[RANK], o[4 * 16], y[H];
+        for (int i = 0; i < H; i++) hn[i] = x[b * H + i];
+        ref_rms(hn, H, in_norm, 1e-6);
+        ref_in_major(hn, H, Win, kind ? cd : pw, p);
+        if (kind) {
+            ref_in_major(hn, H, Wfa, RANK, r1); ref_in_major(r1, RANK, Wfb, hv * dk, f);
+            ref_in_major(hn, H, Wb, hv, bt);
+            ref_in_major(hn, H, Wga, RANK, r1); ref_in_major(r1, RANK, Wgb, hv * dk, gz);
+        } else {
+            for (long i = 0; i < hv * dv; i++) gz[i] = p[cd + i];
+            for (long i = 0; i < hv; i++) { bt[i] = p[cd + hv * dv + i]; f[i] = p[cd + hv * dv + hv + i]; }
+        }
+        double *cs = Cr + state[b] * cd * (W - 1);
+        for (long c = 0; c < cd; c++) {
+            double acc = p[c] * conv[c * W + W - 1];
+            for (int j = 0; j < W - 1; j++) acc += cs[c * (W - 1) + j] * conv[c * W + j];
+            for (int j = 0; j < W - 2; j++) cs[c * (W - 1) + j] = cs[c * (W - 1) + j + 1];
+            cs[c * (W - 1) + W - 2] = p[c];
+            p[c] = acc * sig(acc);
+        }
+        for (long g = 0; g < 2 * hk; g++) {
+            double ss = 0;
+            for (long i = 0; i < dk; i++) ss += p[g * dk + i] * p[g * dk + i];
+            const double inv = 1.0 / sqrt(ss + 1e-6) / (g < hk ? sqrt((double)dk) : 1.0);
+            for (long i = 0; i < dk; i++) p[g * dk + i] *= inv;
+        }
+        for (long hh = 0; hh < hv; hh++) {
+            const long g = hh / (hv / hk);
+            const double *q = p + g * dk, *k = p + kd + g * dk, *v = p + 2 * kd + hh * dv, beta = sig(bt[hh]);
+            double *M = Rr + (state[b] * hv + hh) * dk * dv, u[16];
+            for (long i = 0; i < dk; i++) {
+                const double dec = exp(-exp(A_log[hh]) * softplus(kind ? f[hh * dk + i] + dt_bias[hh * dk + i] : f[hh] + dt_bias[hh]));
+                for (long j = 0; j < dv; j++) M[i * dv + j] *= dec;
+            }
+            for (long j = 0; j < dv; j++) {
+                double s = 0;
+                for (long i = 0; i < dk; i++) s += M[i * dv + j] * k[i];
+                u[j] = beta * (v[j] - s);
+            }
+            for (long i = 0; i < dk; i++)
+                for (long j = 0; j < dv; j++) M[i * dv + j] += k[i] * u[j];
+            for (long j = 0; j < dv; j++) {
+                double s = 0;
+                for (long i = 0; i < dk; i++) s += M[i * dv + j] * q[i];
+                o[hh * dv + j] = s;
+            }
+            ref_rms(o + hh * dv, dv, norm, 1e-6);
+            for (long j = 0; j < dv; j++) {
+                const double z = gz[hh * dv + j];
+                o[hh * dv + j] *= kind ? sig(z) : z * sig(z);
+            }
+        }
+        ref_in_major(o, hv * dv, Wo, H, y);
+        for (int i = 0; i < H; i++) xref[b * H + i] = (float)(x[b * H + i] + y[i]);
+    }
+    for (long i = 0; i < nR; i++) Rref[i] = (float)Rr[i];
+    check(K.gdn_block(&L, &G, &S), "tm_gdn_block");
+    char name[48];
+    snprintf(name, sizeof name, "gdn_block/kind%d/x", kind);
+    record(name, x, B * H, xref);
+    snprintf(name, sizeof name, "gdn_block/kind%d/state", kind);
+    record(name, R, nR, Rref);
+    free(Wo); free(Wg); free(Win); free(Wfa); free(Wfb); free(Wb); free(Wga); free(Wgb); free(conv); free(R); free(C);
+    free(x); free(h); free(qkv); free(att); free(tmp); free(scores); free(logits); free(wts); free(xd); free(xq);
+    free(Rr); free(Cr); free(xref); free(Rref);
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) { fprintf(stderr, "usage: %s LIBRARY.so OUT.bin\n", argv[0]); return 2; }
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
@@ -309,7 +441,7 @@ int main(int argc, char **argv) {
 #define SYM(f, s) if (!(*(void **)&K.f = dlsym(lib, s))) { fprintf(stderr, "no %s\n", s); return 2; }
     SYM(version, "tm_version") SYM(isa, "tm_isa") SYM(moe, "tm_moe") SYM(linear_q, "tm_linear_q")
     SYM(q8_ldd, "tm_q8_ldd") SYM(linear_bf16, "tm_linear_bf16") SYM(rms_norm, "tm_rms_norm")
-    SYM(gqa_decode, "tm_gqa_decode")
+    SYM(gqa_decode, "tm_gqa_decode") SYM(gdn_block, "tm_gdn_block")
     if (!(out = fopen(argv[2], "wb"))) { perror(argv[2]); return 2; }
     printf("abi %d isa %d\n", K.version(), K.isa());
     static const long ns[] = {1, 2, 3, 4, 5, 8};
@@ -325,6 +457,8 @@ int main(int argc, char **argv) {
     case_rms_norm(3);
     case_gqa(0);
     case_gqa(1);
+    case_gdn(0);
+    case_gdn(1);
     case_moe(F_BF16, 0, 0);
     for (int q8 = 0; q8 < 2; q8++) {
         case_moe(F_INT4, S_BF16, q8);

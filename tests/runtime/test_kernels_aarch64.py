@@ -1,7 +1,8 @@
 """The aarch64 build of the host kernels (moe_cpu.c on neon_x86.h), cross-compiled here and run under
 qemu-aarch64, against the same references as the x86 builds: tests/runtime/kernels_driver.c calls the quantized
 and bf16 linears, RMSNorm, the grouped expert call (int4 with each scale dtype and group, MXFP4, int8, bf16;
-float and 8-bit activations; one to eight rows) and GQA decode over a paged cache (RoPE, scattered slots, sinks) on inputs from a fixed generator, and writes each output beside
+float and 8-bit activations; one to eight rows), GQA decode over a paged cache (RoPE, scattered slots, sinks) and
+a linear-attention layer's decode (Gated DeltaNet and KDA, tm_gdn_block) on inputs from a fixed generator, and writes each output beside
 a float64 reference computed from the formats' definitions. The same driver runs every x86 build this CPU runs
 on the same inputs, so the two machines are also compared output for output.
 
@@ -20,7 +21,8 @@ from runtime.kernels import build
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "kernels_driver.c")
 CROSS, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
-N_CASES = 95          # kernels_driver.c main(): 72 linear_q, 5 linear_bf16, 2 rms_norm, 2 gqa_decode, 7 moe (+ activations)
+N_CASES = 99          # kernels_driver.c main(): 72 linear_q, 5 linear_bf16, 2 rms_norm, 2 gqa_decode, 2 x 2 gdn_block
+#                       (x and the state), 7 moe (+ activations)
 
 
 def _tools():
