@@ -1620,9 +1620,11 @@ static int block_check(const tm_layer_t *L, const tm_step_t *S, int64_t att_w) {
     if ((L->router == R_SIGMOID_GROUP || L->router == R_SOFTMAX_GROUP) && L->n_group > 1
         && (L->E % L->n_group || L->topk_group <= 0 || L->topk_group > L->n_group))
         return TM_E_ARG;
-    const int64_t E = L->router >= 0 ? L->E : L->gate.N;
+    /* no router and no gate (a dense MLP layer): the block stops at the post-attention norm */
+    const int gated = L->router >= 0 || L->gate.W;
+    const int64_t E = L->router >= 0 ? L->E : gated ? L->gate.N : 0;
     int rc;
-    if ((rc = desc_check(&L->o, att_w, H)) || (rc = desc_check(&L->gate, H, E))) return rc;
+    if ((rc = desc_check(&L->o, att_w, H)) || (gated && (rc = desc_check(&L->gate, H, E)))) return rc;
     if (B > S->cap_B || S->n > S->cap_n || H > S->cap_H || att_w > S->cap_att || L->nh > S->cap_heads || E > S->cap_E
         || (L->router >= 0 && L->k > S->cap_k) || H > S->cap_K || att_w > S->cap_K)
         return TM_E_SCRATCH;
@@ -1669,7 +1671,8 @@ static int block_tail(const tm_layer_t *L, const tm_step_t *S, const float *att,
     if ((rc = lin_apply(&L->o, att, B, S->tmp, nt, S->xq, S->xd, S->cap_B))) goto done;
     for (long i = 0; i < B * H; i++) S->x[i] += S->tmp[i];                          /* the residual */
     tm_rms_norm(S->x, B, H, L->post_norm, 1, L->eps, S->h);
-    if ((rc = lin_apply(&L->gate, S->h, B, S->logits, nt, S->xq, S->xd, S->cap_B))) goto done;   /* logits: [B, E] */
+    if ((L->router >= 0 || L->gate.W)
+        && (rc = lin_apply(&L->gate, S->h, B, S->logits, nt, S->xq, S->xd, S->cap_B))) goto done;   /* logits: [B, E] */
     if (L->router < 0) goto done;
     for (long b = 0; b < B; b++) route_row(L, S->logits + b * E, S->ids + b * k, S->wts + b * k, rtmp, keep);
     for (long e = 0; e < E; e++) S->counts[e] = 0;

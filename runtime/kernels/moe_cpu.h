@@ -79,7 +79,7 @@ typedef struct {
     int32_t E, k, router, renorm, n_group, topk_group;
     float eps, scale, route_scale;
     const float *in_norm, *post_norm, *q_norm, *k_norm, *correction;
-    tm_lin_desc qkv, o, gate;         /* gate: the router */
+    tm_lin_desc qkv, o, gate;         /* gate: the router (W NULL with router -1: a dense layer, stop at the post norm) */
     float *K, *V;                     /* this layer's cache [slots, nkv, hd] */
     int64_t slots;                    /* rows of K / V: every write and read slot is below it */
     const float *sinks;               /* [nh] attention sinks (gpt-oss), or NULL */

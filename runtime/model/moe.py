@@ -145,7 +145,7 @@ class MoEModel:
         if off is not None:
             self.fused, self.fused_why = [None] * len(self.layers), [off] * len(self.layers)
         else:
-            self.fused, self.fused_why = build_fused(self.layers, device)
+            self.fused, self.fused_why = build_fused(self.layers, device, self.cfg)
         for layer, f in zip(self.layers, self.fused):
             if f is not None:
                 layer.forward = f

@@ -10,12 +10,14 @@ in place) - does x += o(mixer(rmsnorm(x))), h = rmsnorm(x), the router's logits,
 expert store for those experts exactly as the composed block does (placement, hit counting, hybrid
 decisions and the recorded routing stay where they are), and ``tm_moe`` adds the experts' weighted
 sum into x. The shared experts, prefetch hooks and every case the kernel does not take (experts still
-streaming in, waves, more rows than the kernel's GEMV takes) run through the composed block's own code.
+streaming in, waves, more rows than the kernel's GEMV takes) run through the composed block's own code. A
+dense MLP layer (DeepSeek's first layers, Qwen3-Next's mlp_only_layers) takes the same call without a router:
+it stops at the post-attention norm, and the MLP's two projections run on its output.
 
 It is a backend of the layer objects: ``build_fused`` gives each decoder layer a ``FusedDecode`` (its
 ``forward`` from then on) where the layer's sublayers and the kernel's limits allow, else None and why
 (``why_not``; the sublayers answer for themselves through layers/protocol.py, and name their kernel
-through ``fused_part``, a key of ``ATTENTION_PARTS``): dense MLP layers, LatentMoE, routers other than
+through ``fused_part``, a key of ``ATTENTION_PARTS``): LatentMoE, routers other than
 softmax -> top-k, top-k -> softmax and sigmoid with group-limited top-k, weights the kernels cannot read
 in place. Those layers run composed in the same step."""
 from __future__ import annotations
@@ -30,9 +32,11 @@ from ... import kernels
 from .attention import ring_addressing
 from .dense import Linear
 from .experts import record_host_share, weighted_sum
+from .mlp import DenseMLP
 
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 ROUTER_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group": 2, "softmax_group": 3}
+ROUTER_NONE = -1          # a dense MLP layer: no router, the kernel stops at the post-attention norm
 QK_NORM_CODES = {None: 0, "none": 0, "head": 1, "full": 2}
 
 
@@ -312,6 +316,7 @@ class StepBuffers:
 
     def _alloc(self, B: int, n: int) -> None:
         H, qkv, att, heads, E, k, K_max = self.dims
+        E, k = max(E, 1), max(k, 1)        # dense layers alone route nothing: the router's buffers still exist
         self.B, self.n = B, n
         f = lambda *s: torch.empty(*s)                                       # noqa: E731
         self.h, self.qkv, self.att, self.tmp = f(B, H), f(B, qkv), f(B, att), f(B, H)
@@ -344,52 +349,72 @@ class FusedDecode:
         attn, block = layer.attn, layer.ffn
         self.layer, self.attn, self.block, self.composed = layer, attn, block, layer.composed
         self.lib = kernels.lib()
-        cfg = block.cfg
         L = self.args = LayerArgs()
-        L.H, L.E, L.k = cfg.hidden_size, cfg.num_experts, cfg.top_k
-        L.router = ROUTER_CODES[cfg.router]
-        L.renorm = int(bool(cfg.norm_topk_prob))
-        L.n_group, L.topk_group = int(cfg.n_group or 1), int(cfg.topk_group or 1)
-        L.eps, L.route_scale = layer.input_norm.eps, float(cfg.routed_scaling_factor)
+        L.eps = layer.input_norm.eps
         self._keep = [layer.input_norm.weight, layer.post_norm.weight]
         L.in_norm, L.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
-        if block.correction is not None:
-            L.correction = _f32(block.correction.reshape(-1), self._keep)
-        L.gate = lin_desc(block.router)
+        self.dense = isinstance(block, DenseMLP)
+        if self.dense:      # no router, no gate: the kernel stops at the post norm, the MLP runs on its h
+            L.H, L.E, L.k, L.router = layer.input_norm.weight.numel(), 0, 0, ROUTER_NONE
+            self.experts = self.kernel = None
+            self._ffn = self._dense
+        else:
+            cfg = block.cfg
+            L.H, L.E, L.k = cfg.hidden_size, cfg.num_experts, cfg.top_k
+            L.router = ROUTER_CODES[cfg.router]
+            L.renorm = int(bool(cfg.norm_topk_prob))
+            L.n_group, L.topk_group = int(cfg.n_group or 1), int(cfg.topk_group or 1)
+            L.route_scale = float(cfg.routed_scaling_factor)
+            if block.correction is not None:
+                L.correction = _f32(block.correction.reshape(-1), self._keep)
+            L.gate = lin_desc(block.router)
+            self.experts = block.executor.backend           # HostKernelExperts (fused_refusal saw to it)
+            self.kernel = block.executor.kernel
+            self._ffn = self._experts
         self.part = ATTENTION_PARTS[attn.fused_part](attn, L, self._keep)   # fills the attention's fields
-        self.experts = block.executor.backend               # HostKernelExperts (fused_refusal saw to it)
-        self.kernel = block.executor.kernel
         self.bufs = bufs
 
     @staticmethod
-    def why_not(layer, device) -> "str | None":
+    def why_not(layer, device, cfg=None) -> "str | None":
         """Why ``layer`` cannot decode fused (None: it can): what its sublayers say (layers/protocol.py),
-        then the kernel's own limits."""
+        then the kernel's own limits. ``cfg``: the model's config (a dense MLP layer has none of its own)."""
         if kernels.lib() is None or torch.device(device).type != "cpu":
             return "host kernels off or not a CPU"
-        why = layer.attn.fused_refusal() or layer.ffn.fused_refusal()
+        attn, block = layer.attn, layer.ffn
+        dense = isinstance(block, DenseMLP)       # DeepSeek's first layers, Qwen3-Next's mlp_only_layers
+        why = layer.attn.fused_refusal() or (None if dense else layer.ffn.fused_refusal())
         if why is not None:
             return why
-        attn, block = layer.attn, layer.ffn
-        cfg = block.cfg
+        cfg = cfg if dense else block.cfg
+        if cfg is None:
+            return "a dense MLP layer without the model's config"
         part = ATTENTION_PARTS.get(getattr(attn, "fused_part", None))
         if part is None:
             return f"{type(attn).__name__} names no fused kernel"
         why = part.why_not(attn, cfg)
         if why is not None:
             return why
+        if dense:
+            return FusedDecode._norms_why(layer)
         if cfg.router not in ROUTER_CODES:
             return f"router {cfg.router}"
-        if layer.input_norm.weight.dtype != torch.float32 or layer.post_norm.weight.dtype != torch.float32:
-            return "not float32"
-        if layer.input_norm.eps != layer.post_norm.eps:
-            return "input and post-attention norms of different eps"
+        why = FusedDecode._norms_why(layer)
+        if why is not None:
+            return why
         if cfg.num_experts > 4096 or (cfg.n_group or 1) > 256:
             return "sizes past the kernel's limits"
         if cfg.router in ("sigmoid_group", "softmax_group") and (cfg.n_group or 1) > 1 and cfg.num_experts % cfg.n_group:
             return "expert groups of unequal size"
         if lin_desc(block.router) is None:
             return "a router the kernels cannot read in place"
+        return None
+
+    @staticmethod
+    def _norms_why(layer) -> "str | None":
+        if layer.input_norm.weight.dtype != torch.float32 or layer.post_norm.weight.dtype != torch.float32:
+            return "not float32"
+        if layer.input_norm.eps != layer.post_norm.eps:
+            return "input and post-attention norms of different eps"
         return None
 
     def dims(self) -> tuple:
@@ -409,7 +434,7 @@ class FusedDecode:
             x = x.contiguous()
             bufs.begin(x, ctx)
         self._attention(ctx, bufs)
-        self._experts(ctx, bufs)
+        self._ffn(ctx, bufs)
         return x
 
     def _attention(self, ctx, bufs: StepBuffers) -> None:
@@ -443,11 +468,15 @@ class FusedDecode:
         if sh is not None:
             x += sh
 
+    def _dense(self, ctx, bufs: StepBuffers) -> None:
+        """A dense MLP layer's FFN on the kernel's post-norm h, added into x."""
+        bufs.x += self.block(bufs.hB)
 
-def build_fused(layers: list, device) -> list:
+
+def build_fused(layers: list, device, cfg=None) -> list:
     """Each layer's decode backend: a ``FusedDecode`` where the layer can take it (sharing one
-    ``StepBuffers`` sized by the largest), else None; and why not, per layer."""
-    why = [FusedDecode.why_not(layer, device) for layer in layers]
+    ``StepBuffers`` sized by the largest), else None; and why not, per layer. ``cfg``: the model's config."""
+    why = [FusedDecode.why_not(layer, device, cfg) for layer in layers]
     fused = [FusedDecode(layer) if w is None else None for layer, w in zip(layers, why)]
     dims = [f.dims() for f in fused if f is not None]
     if dims:

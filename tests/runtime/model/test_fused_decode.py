@@ -1,4 +1,5 @@
-"""The fused CPU decode (runtime/model/layers/fused.py: a GQA, MLA or linear-attention + MoE layer in two kernel calls) against
+"""The fused CPU decode (runtime/model/layers/fused.py: a GQA, MLA or linear-attention + MoE or dense MLP layer in two
+kernel calls) against
 the composed layers it replaces (TIERED_MOE_FUSED_DECODE=0) on the same store: the same logits at
 every decode step of a batch of sequences of different lengths, the same expert requests (store hits
 per tier, the recorded routing trace) with every expert resident and with 10% of them on the device
@@ -21,17 +22,18 @@ from conftest import build_hf
 if kernels.lib() is None:
     pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
 
-# architecture -> the layers that decode fused (the others: a dense MLP layer, or a kind the kernel does not
-# take - ERNIE's router); gpt-oss's sliding-window rings and its sinks fuse too
-FUSED = {"mixtral": [0, 1, 2], "qwen2_moe": [0, 1, 2], "qwen3_moe": [0, 2], "olmoe": [0, 1, 2], "glm4_moe": [1, 2],
-         "minimax_m2": [0, 1, 2], "gpt_oss": [0, 1, 2], "ernie4_5_moe": [],
-         # MLA (tm_mla_block): q through q_lora with interleaved RoPE (V3), one q_proj with YaRN (V3 yarn), no RoPE
-         # (Kimi-Linear's full layer between its KDA layers, which fuse through tm_gdn_block)
-         "deepseek_v3": [1, 2], "deepseek_v3_yarn": [1, 2], "deepseek_v2_lite": [1, 2], "glm4_moe_lite": [1, 2],
-         "kimi_linear": [1, 2], "deepseek_v2": [1, 2], "kimi_k25": [1, 2],
-         # Gated DeltaNet (tm_gdn_block, the state arena in place) and gated attention with partial RoPE
-         # (tm_attn_block's output gate); Qwen3-Next's layer 2 is a dense MLP, Qwen3.5's flat projections
-         "qwen3_next": [0, 1], "qwen3_5_moe_text": [0, 1, 2]}
+# architecture -> the layers that decode fused (the others: a kind the kernel does not take - ERNIE's router; its
+# dense layer 0 fuses).
+# gpt-oss's sliding-window rings and its sinks fuse; MLA through tm_mla_block (q through q_lora with interleaved
+# RoPE (V3), one q_proj with YaRN (V3 yarn), no RoPE (Kimi-Linear's full layer between its KDA layers)); Gated
+# DeltaNet and KDA through tm_gdn_block, Qwen3-Next's gated attention with partial RoPE through tm_attn_block; the
+# dense MLP layers (DeepSeek's first layer, Qwen3-Next's mlp_only_layers, Qwen3-MoE's layer 1) through the same
+# calls without a router
+ALL = [0, 1, 2]
+FUSED = {"mixtral": ALL, "qwen2_moe": ALL, "qwen3_moe": ALL, "olmoe": ALL, "glm4_moe": ALL, "minimax_m2": ALL,
+         "gpt_oss": ALL, "ernie4_5_moe": [0], "deepseek_v3": ALL, "deepseek_v3_yarn": ALL, "deepseek_v2_lite": ALL,
+         "glm4_moe_lite": ALL, "kimi_linear": ALL, "deepseek_v2": ALL, "kimi_k25": ALL, "qwen3_next": ALL,
+         "qwen3_5_moe_text": ALL}
 SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe"}
 
 
