@@ -717,6 +717,28 @@ static inline AI void nib_scales(const void *srow, int sfmt, int per, int mx, in
         for (int i = 0; i < n; i++) sc[i] = scale_at(srow, sfmt, (c0 + i) / per);
 }
 
+/* sc[i] = the int4 weight scale of block c0 + i times the activation scale xd[c0 + i], i < n: eight at a time
+ * for one scale per block (group 32) in any scale dtype, else one by one */
+static inline AI void nib_scales_x(const void *srow, int sfmt, int per, int c0, int n, const float *xd, float *sc) {
+    int i = 0;
+    if (per == 1) {
+        if (sfmt == S_BF16)
+            for (; i + 8 <= n; i += 8) {
+                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)srow + c0 + i)));
+                _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+                                                       _mm256_loadu_ps(xd + c0 + i)));
+            }
+        else if (sfmt == S_F16)
+            for (; i + 8 <= n; i += 8)
+                _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)srow + c0 + i))),
+                                                       _mm256_loadu_ps(xd + c0 + i)));
+        else
+            for (; i + 8 <= n; i += 8)
+                _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_loadu_ps((const float *)srow + c0 + i), _mm256_loadu_ps(xd + c0 + i)));
+    }
+    for (; i < n; i++) sc[i] = scale_at(srow, sfmt, (c0 + i) / per) * xd[c0 + i];
+}
+
 /* One 32-weight block c of a 4-bit row against R activation rows, into acc[0..R) (nib_row_q8). */
 static inline AI void nib_blk_q8(const int R, const int mx, const uint8_t *wrow, int c, int nc, float sw,
                                  __m256i lut2, const int8_t *xq, const float *xd, long ldq, long ldd, __m256 *acc) {
@@ -784,28 +806,35 @@ static inline AI void nib_4rows_q8(const uint8_t *wrow, long ldw, const uint8_t 
     const int32_t *corr = (const int32_t *)(xd + nc);
     for (int c0 = 0; c0 < nc; c0 += 64) {
         const int n = nc - c0 < 64 ? nc - c0 : 64;
-        for (int o = 0; o < 4; o++) nib_scales(srow + o * lds, sfmt, per, mx, c0, n, sc[o]);
         if (!mx) {
-            /* int4: the codes unsigned as they lie, less 8 x the activation block's code sum (q8_quantize), and
-             * weight scale x activation scale taken once per block and row before the dots */
-            for (int o = 0; o < 4; o++)
-                for (int i = 0; i < n; i++) sc[o][i] *= xd[c0 + i];
+            /* int4, two rows to a register: row 2p's 16 code bytes in the low lane, row 2p + 1's in the high, so
+             * one and / shift splits both rows' nibbles; the block's activation evens and odds each broadcast to
+             * both lanes (loaded once for the four rows); the codes go into maddubs unsigned as they lie and the
+             * two products are summed in 16 bits (|.| <= 4 x 15 x 128 < 2^15), less 8 x the activation block's
+             * code sum (q8_quantize) in each lane's first int; weight scale x activation scale taken once per
+             * block and row before the dots. acc[p]: rows 2p (low lane) and 2p + 1 (high). */
+            for (int o = 0; o < 4; o++) nib_scales_x(srow + o * lds, sfmt, per, c0, n, xd, sc[o]);
             for (int i = 0; i < n; i++) {
                 const int c = c0 + i;
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
-                const __m256i cv = _mm256_loadu_si256((const __m256i *)(corr + 8 * c));
+                const __m256i xe = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 32 * c)));
+                const __m256i xo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 32 * c + 16)));
+                const __m256i cv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(corr + 8 * c)));
                 if (!(c & 3))           /* one test for the four rows' prefetches */
                     for (int o = 0; o < 4; o++) PF(wrow + o * ldw + 16 * c);
-                for (int o = 0; o < 4; o++) {
-                    const uint8_t *p = wrow + o * ldw + 16 * c;
-                    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-                    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), m4);
-                    const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), cv);
-                    acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sc[o][i]), acc[o]);
+                for (int q = 0; q < 2; q++) {
+                    const uint8_t *p = wrow + 2 * q * ldw + 16 * c;
+                    const __m256i b = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + ldw)),
+                                                       _mm_loadu_si128((const __m128i *)p));
+                    const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+                    const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), cv);
+                    const __m256 sw = _mm256_set_m128(_mm_set1_ps(sc[2 * q + 1][i]), _mm_set1_ps(sc[2 * q][i]));
+                    acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sw, acc[q]);
                 }
             }
             continue;
         }
+        for (int o = 0; o < 4; o++) nib_scales(srow + o * lds, sfmt, per, mx, c0, n, sc[o]);
         for (int i = 0; i < n; i++) {
             const int c = c0 + i;
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
@@ -821,7 +850,16 @@ static inline AI void nib_4rows_q8(const uint8_t *wrow, long ldw, const uint8_t 
             }
         }
     }
-    for (int o = 0; o < 4; o++) out[o] = hsum(acc[o]);
+    if (!mx)
+        for (int q = 0; q < 2; q++) {       /* each lane's four sums: rows 2q (low) and 2q + 1 (high) */
+            __m128 a = _mm256_castps256_ps128(acc[q]), b = _mm256_extractf128_ps(acc[q], 1);
+            a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+            b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+            out[2 * q] = _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+            out[2 * q + 1] = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+        }
+    else
+        for (int o = 0; o < 4; o++) out[o] = hsum(acc[o]);
 }
 #endif
 

@@ -68,6 +68,7 @@ TM_SI __m128i _mm_unpackhi_epi64(__m128i a, __m128i b) {
 TM_SI __m128 _mm_castsi128_ps(__m128i a) { return vreinterpretq_f32_s32(a); }
 TM_SI __m128 _mm_loadu_ps(const float *p) { return vld1q_f32(p); }
 TM_SI __m128 _mm_add_ps(__m128 a, __m128 b) { return vaddq_f32(a, b); }
+TM_SI __m128 _mm_set1_ps(float f) { return vdupq_n_f32(f); }
 TM_SI __m128 _mm_add_ss(__m128 a, __m128 b) { return vsetq_lane_f32(vgetq_lane_f32(a, 0) + vgetq_lane_f32(b, 0), a, 0); }
 /* [b2, b3, a2, a3] */
 TM_SI __m128 _mm_movehl_ps(__m128 a, __m128 b) { return vcombine_f32(vget_high_f32(b), vget_high_f32(a)); }
@@ -129,6 +130,12 @@ TM_SI __m256i _mm256_set1_epi8(char c) { __m128i v = FROM_S8(vdupq_n_s8((int8_t)
 TM_SI __m256i _mm256_set1_epi16(short c) { __m128i v = FROM_S16(vdupq_n_s16(c)); return TM_M256I(v, v); }
 TM_SI __m256i _mm256_set1_epi32(int c) { return TM_M256I(vdupq_n_s32(c), vdupq_n_s32(c)); }
 TM_SI __m256i _mm256_set_m128i(__m128i hi, __m128i lo) { return TM_M256I(lo, hi); }
+TM_SI __m256 _mm256_set_m128(__m128 hi, __m128 lo) { return TM_M256(lo, hi); }
+TM_SI __m256i _mm256_srli_epi16(__m256i a, int n) { return TM_M256I(_mm_srli_epi16(a.lo, n), _mm_srli_epi16(a.hi, n)); }
+/* wrapping, as paddw */
+TM_SI __m256i _mm256_add_epi16(__m256i a, __m256i b) {
+    return TM_M256I(FROM_S16(vaddq_s16(S16(a.lo), S16(b.lo))), FROM_S16(vaddq_s16(S16(a.hi), S16(b.hi))));
+}
 TM_SI __m256i _mm256_broadcastsi128_si256(__m128i a) { return TM_M256I(a, a); }
 /* in each 128-bit lane, as pshufb */
 TM_SI __m256i _mm256_shuffle_epi8(__m256i a, __m256i b) {
