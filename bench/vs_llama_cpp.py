@@ -145,19 +145,26 @@ def stores(hf: str, work: str, shape: str, formats: list) -> dict:
 
 
 # -- ours ------------------------------------------------------------------------------------------
-def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none", dense_quant: str = "none") -> dict:
-    """In a fresh process: every expert resident, a warm-up run, then the best decode rate of two."""
+def _resident(store: str, threads: int, act_quant: str, dense_quant: str, batch: int = 1) -> tuple:
+    """(model, store) loaded with torch at ``threads`` and every expert in the device tier before timing
+    (llama.cpp's are mapped)."""
     import inspect
-    from runtime.engine import Engine, SamplingParams
     from runtime.model import load_model
     torch.set_num_threads(threads)
     m = Manifest.read(store)
     kw = {"max_batch": batch} if "max_batch" in inspect.signature(load_model).parameters else {}
     model, st = load_model(store, expert_budget=m.num_layers * m.num_experts * m.blob_stride, policy="lru",
                            host_act_quant=act_quant, dense_quant=dense_quant, **kw)
-    best = {"rate": 0.0}
-    for layer in range(m.num_layers):      # every expert in the device tier before timing (llama.cpp's are mapped)
+    for layer in range(m.num_layers):
         st.request(layer, list(range(m.num_experts)), 0).wait()
+    return model, st
+
+
+def ours_worker(store: str, batch: int, threads: int, act_quant: str = "none", dense_quant: str = "none") -> dict:
+    """In a fresh process: every expert resident, a warm-up run, then the best decode rate of two."""
+    from runtime.engine import Engine, SamplingParams
+    model, st = _resident(store, threads, act_quant, dense_quant, batch)
+    best = {"rate": 0.0}
     try:
         for rep, seed in enumerate((1000 + batch, batch, 2000 + batch)):
             eng = Engine(model, st, max_batch=batch, prefill_chunk=PROMPT, prefetch="none")
@@ -187,13 +194,7 @@ def prefill_worker(store: str, threads: int, n: int) -> dict:
     prompt at batch 1, every expert resident; prompt tokens/s = n / the time to the first token. A warm-up,
     then the best of two."""
     from runtime.engine import Engine, SamplingParams
-    from runtime.model import load_model
-    torch.set_num_threads(threads)
-    m = Manifest.read(store)
-    model, st = load_model(store, expert_budget=m.num_layers * m.num_experts * m.blob_stride, policy="lru",
-                           host_act_quant=DEFAULTS[0], dense_quant=DEFAULTS[1])
-    for layer in range(m.num_layers):
-        st.request(layer, list(range(m.num_experts)), 0).wait()
+    model, st = _resident(store, threads, *DEFAULTS)
     best = 0.0
     try:
         for rep in range(3):

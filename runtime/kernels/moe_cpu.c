@@ -1755,7 +1755,7 @@ int tm_attn_block(const tm_layer_t *L, const tm_step_t *S) {
         for (long b = 0; b < B; b++) {
             const float *g = S->qkv + b * ld + (nh + 2 * nkv) * hd;
             float *o = S->att + b * nh * hd;
-            for (long i = 0; i < nh * hd; i++) o[i] *= 1.0f / (1.0f + expf(-g[i]));
+            for (long i = 0; i < nh * hd; i++) o[i] *= sigmoid1(g[i]);
         }
     return block_tail(L, S, S->att, nt);
 }
@@ -1940,7 +1940,7 @@ static void gdn_job(void *arg, int ith, int nth, tm_bar *bar) {
         const float *p = J->mix + b * J->ld_mix;             /* the sequence's q | k | v, conv'd and normed */
         const float *q = p + g * dk, *k = p + kd + g * dk, *v = p + 2 * kd + h * dv;
         const float *z = J->gz + b * J->ld_gz + h * dv;
-        const float beta = 1.0f / (1.0f + expf(-J->bt[b * J->ld_bt + h])), A = expf(G->A_log[h]);
+        const float beta = sigmoid1(J->bt[b * J->ld_bt + h]), A = expf(G->A_log[h]);
         float *M = G->R + (G->state[b] * hv + h) * dk * dv;  /* M: [dk, dv] */
         float *o = J->out + t * dv;                          /* out: [B, hv, dv] */
         float u[dv];
@@ -1975,7 +1975,7 @@ static void gdn_job(void *arg, int ith, int nth, tm_bar *bar) {
         for (long j = 0; j < dv; j++) ss += o[j] * o[j];
         const float inv = 1.0f / sqrtf(ss / (float)dv + G->norm_eps);
         for (long j = 0; j < dv; j++)
-            o[j] = G->norm[j] * (o[j] * inv) * (G->kind ? 1.0f / (1.0f + expf(-z[j])) : silu1(z[j]));
+            o[j] = G->norm[j] * (o[j] * inv) * (G->kind ? sigmoid1(z[j]) : silu1(z[j]));
     }
 }
 
