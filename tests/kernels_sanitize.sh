@@ -24,4 +24,4 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 # --capture=sys: the sanitizer writes its report to file descriptor 2, which pytest must not swallow when
 # the process dies.
 LD_PRELOAD="$asan" "$PY" -m pytest -q -p no:cacheprovider --capture=sys \
-  tests/runtime/test_kernel_abi.py tests/runtime/test_host_kernels.py tests/runtime/test_gdn_block.py "$@"
+  tests/runtime/test_kernel_abi.py tests/runtime/test_host_kernels.py tests/runtime/test_gdn_block.py tests/runtime/test_mlp_block.py "$@"

@@ -223,6 +223,16 @@ def _load():
     lib.tm_q8_ldd.restype = ctypes.c_int64
     if ISA_NAMES[lib.tm_isa()] != isa:   # the compiler ignored a flag: say so rather than mislabel
         return None, f"{cc} built {ISA_NAMES[lib.tm_isa()]} code for the {isa} flags"
+    _declare(lib)
+    # Every caller raises on a refusal, named (tm_attn_block's caller, layers/fused.py, checks its code
+    # itself to name the layer).
+    for entry in ("tm_moe", "tm_linear_bf16", "tm_linear_q", "tm_rms_norm", "tm_gqa_decode"):
+        getattr(lib, entry).errcheck = _refused(lib, entry)
+    return lib, None
+
+
+def _declare(lib) -> None:
+    """The entry points' C signatures (moe_cpu.h) for ctypes."""
     lib.tm_strerror.argtypes = [ctypes.c_int]
     lib.tm_strerror.restype = ctypes.c_char_p
     lib.tm_moe.argtypes = [ctypes.POINTER(MoEArgs)]
@@ -238,6 +248,8 @@ def _load():
     lib.tm_mla_block.restype = ctypes.c_int
     lib.tm_gdn_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.tm_gdn_block.restype = ctypes.c_int
+    lib.tm_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.tm_mlp_block.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_float, ctypes.c_void_p]
     lib.tm_rms_norm.restype = ctypes.c_int
@@ -245,11 +257,6 @@ def _load():
     lib.tm_gqa_decode.argtypes = [P, I64, P, I64, P, P, I64, P, P, I64, P, P, I64, P, I64, I64, I64, I64, ctypes.c_float,
                                   P, P, P, ctypes.c_int32]          # ... scale, sinks (or None), out, scratch, threads
     lib.tm_gqa_decode.restype = ctypes.c_int
-    # Every caller raises on a refusal, named (tm_attn_block's caller, layers/fused.py, checks its code
-    # itself to name the layer).
-    for entry in ("tm_moe", "tm_linear_bf16", "tm_linear_q", "tm_rms_norm", "tm_gqa_decode"):
-        getattr(lib, entry).errcheck = _refused(lib, entry)
-    return lib, None
 
 
 def _refused(lib, entry: str):

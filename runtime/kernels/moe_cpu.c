@@ -2067,3 +2067,42 @@ int tm_gdn_block(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S) {
     pool_run(gdn_job, &j, (int)(nt < work ? nt : work));
     return block_tail(L, S, S->att, nt);
 }
+
+/* A dense SwiGLU MLP after a fused block (tm_mlp_t): x += [sigmoid(gate . h) *] down(act(gate_up h)) on the
+ * step's post-norm rows h [B, H] - a MoE block's shared experts after tm_moe added the routed sum, or a dense
+ * layer's MLP - in one call where Python ran two or three projections and as many elementwise ops. The
+ * projections are lin_apply's (the composed Linear's kernels), the activation the experts' swiglu_row. */
+int tm_mlp_block(const tm_mlp_t *M, const tm_step_t *S) {
+    if (!M || !S) return TM_E_NULL;
+    const long B = S->B, H = M->H, I = M->I;
+    if (B < 0 || H <= 0 || I <= 0 || (M->act != 0 && M->act != 2)) return TM_E_ARG;
+    int rc;
+    if ((rc = desc_check(&M->gate_up, H, 2 * I)) || (rc = desc_check(&M->down, I, H))
+        || (M->gate.W && (rc = desc_check(&M->gate, H, 1))))
+        return rc;
+    if (B > S->cap_B || H > S->cap_H || H > S->cap_K || I > S->cap_K || B * (3 * I + 1) > M->scratch_n)
+        return TM_E_SCRATCH;
+    if (!B) return 0;
+    if (!S->x || !S->h || !S->tmp || !S->xq || !S->xd || !M->scratch) return TM_E_NULL;
+    const int nt = S->nthreads > 0 ? S->nthreads : 1;
+    float *gu = M->scratch, *a = gu + B * 2 * I, *g = a + B * I;      /* gu: [B, 2I], a: [B, I], g: [B] */
+    if ((rc = lin_apply(&M->gate_up, S->h, B, gu, nt, S->xq, S->xd, S->cap_B))) return rc;
+    tm_moe_t act = {0};
+    act.I = (int32_t)I, act.act = M->act, act.limit = M->limit;
+    for (long b = 0; b < B; b++) {
+        swiglu_row(&act, gu + b * 2 * I, 0);                             /* gu[b, :I] = act(gate, up) */
+        memcpy(a + b * I, gu + b * 2 * I, I * sizeof(float));
+    }
+    if ((rc = lin_apply(&M->down, a, B, S->tmp, nt, S->xq, S->xd, S->cap_B))) return rc;   /* tmp: [B, H] */
+    if (M->gate.W && (rc = lin_apply(&M->gate, S->h, B, g, nt, S->xq, S->xd, S->cap_B))) return rc;
+    for (long b = 0; b < B; b++) {
+        const float s = M->gate.W ? sigmoid1(g[b]) : 1.0f;
+        float *x = S->x + b * H;
+        const float *t = S->tmp + b * H;
+        if (M->gate.W)
+            for (long i = 0; i < H; i++) x[i] += t[i] * s;
+        else
+            for (long i = 0; i < H; i++) x[i] += t[i];
+    }
+    return 0;
+}

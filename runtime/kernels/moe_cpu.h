@@ -126,6 +126,19 @@ typedef struct {
     const int64_t *state;             /* [B] each sequence's slot (distinct) */
 } tm_gdn_t;
 
+/* a dense SwiGLU MLP on the step's post-norm rows (tm_mlp_block): a MoE block's shared experts, or a dense
+ * layer's MLP */
+typedef struct {
+    int32_t H, I;                     /* hidden, intermediate width */
+    int32_t act;                      /* 0: silu(gate) * up; 2: silu(min(gate, limit)) * clamp(up, +-limit) */
+    float limit;
+    tm_lin_desc gate_up;              /* H -> [gate (I) | up (I)] */
+    tm_lin_desc down;                 /* I -> H */
+    tm_lin_desc gate;                 /* H -> 1: the output scaled by sigmoid of it (Qwen2-MoE / Qwen3-Next); W NULL: none */
+    float *scratch;                   /* [scratch_n] floats: B (3 I + 1) are used */
+    int64_t scratch_n;
+} tm_mlp_t;
+
 int tm_version(void);
 int tm_isa(void);
 int64_t tm_q8_ldd(int64_t K);
@@ -139,5 +152,6 @@ int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const 
                   const float *sinks, float *out, float *scratch, int32_t nthreads);
 int tm_attn_block(const tm_layer_t *L, const tm_step_t *S);
 int tm_gdn_block(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S);
+int tm_mlp_block(const tm_mlp_t *M, const tm_step_t *S);
 const char *tm_strerror(int code);
 #endif

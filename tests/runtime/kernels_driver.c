@@ -4,7 +4,8 @@
  * a reference written here from the formats' definitions (dequantize, then float64 sums), both are held to it.
  *
  * Cases: the quantized and bf16 linears, RMSNorm, the grouped expert call, GQA decode over a paged cache and a
- * linear-attention layer's decode (tm_gdn_block: Gated DeltaNet and KDA, the state arena in place).
+ * linear-attention layer's decode (tm_gdn_block: Gated DeltaNet and KDA, the state arena in place), a gated shared
+ * expert (tm_mlp_block).
  * Usage: kernels_driver LIBRARY.so OUT.bin. Inputs come from a fixed xorshift generator (the same on every
  * machine). Each case appends one record to OUT.bin: name (char[48]), n (int64), n float32 outputs, nref
  * (int64: n or 0), nref float32 reference values. Exit status: 0, or 2 when the library or a call fails. */
@@ -24,6 +25,7 @@ static struct {
                       int64_t, const int64_t *, const int64_t *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
                       int64_t, float, const float *, float *, float *, int32_t);
     int (*gdn_block)(const tm_layer_t *, const tm_gdn_t *, const tm_step_t *);
+    int (*mlp_block)(const tm_mlp_t *, const tm_step_t *);
 } K;
 static FILE *out;
 
@@ -434,6 +436,34 @@ static void case_gdn(int kind) {
     free(Rr); free(Cr); free(xref); free(Rref);
 }
 
+/* A gated shared expert (tm_mlp_block): x += sigmoid(h . w_gate) down(silu(h W_g) * (h W_u)) on two post-norm rows. */
+static void case_mlp(void) {
+    enum { H = 64, I = 96, B = 2 };
+    tm_mlp_t M = {0};
+    tm_step_t S = {0};
+    M.H = H, M.I = I;
+    float *Wgu = lin_make(&M.gate_up, H, 2 * I), *Wd = lin_make(&M.down, I, H), *Wg = lin_make(&M.gate, H, 1);
+    float *x = xmalloc(4 * B * H), *h = xmalloc(4 * B * H), *tmp = xmalloc(4 * B * H), *xref = xmalloc(4 * B * H);
+    float *scratch = xmalloc(4 * B * (3 * I + 1)), *xd = xmalloc(4 * B * K.q8_ldd(I));
+    int8_t *xq = xmalloc(B * I);
+    fill(x, B * H); fill(h, B * H);
+    M.scratch = scratch, M.scratch_n = B * (3 * I + 1);
+    S.B = B, S.x = x, S.h = h, S.tmp = tmp, S.xq = xq, S.xd = xd, S.nthreads = 2;
+    S.cap_B = B, S.cap_H = H, S.cap_K = I;
+    for (int b = 0; b < B; b++) {
+        double hh[H], gu[2 * I], a[I], y[H], g;
+        for (int i = 0; i < H; i++) hh[i] = h[b * H + i];
+        ref_in_major(hh, H, Wgu, 2 * I, gu);
+        for (int j = 0; j < I; j++) a[j] = gu[j] * sig(gu[j]) * gu[I + j];
+        ref_in_major(a, I, Wd, H, y);
+        ref_in_major(hh, H, Wg, 1, &g);
+        for (int i = 0; i < H; i++) xref[b * H + i] = (float)(x[b * H + i] + sig(g) * y[i]);
+    }
+    check(K.mlp_block(&M, &S), "tm_mlp_block");
+    record("mlp_block/gated", x, B * H, xref);
+    free(Wgu); free(Wd); free(Wg); free(x); free(h); free(tmp); free(xref); free(scratch); free(xd); free(xq);
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) { fprintf(stderr, "usage: %s LIBRARY.so OUT.bin\n", argv[0]); return 2; }
     void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
@@ -442,6 +472,7 @@ int main(int argc, char **argv) {
     SYM(version, "tm_version") SYM(isa, "tm_isa") SYM(moe, "tm_moe") SYM(linear_q, "tm_linear_q")
     SYM(q8_ldd, "tm_q8_ldd") SYM(linear_bf16, "tm_linear_bf16") SYM(rms_norm, "tm_rms_norm")
     SYM(gqa_decode, "tm_gqa_decode") SYM(gdn_block, "tm_gdn_block")
+    SYM(mlp_block, "tm_mlp_block")
     if (!(out = fopen(argv[2], "wb"))) { perror(argv[2]); return 2; }
     printf("abi %d isa %d\n", K.version(), K.isa());
     static const long ns[] = {1, 2, 3, 4, 5, 8};
@@ -459,6 +490,7 @@ int main(int argc, char **argv) {
     case_gqa(1);
     case_gdn(0);
     case_gdn(1);
+    case_mlp();
     case_moe(F_BF16, 0, 0);
     for (int q8 = 0; q8 < 2; q8++) {
         case_moe(F_INT4, S_BF16, q8);

@@ -21,7 +21,7 @@ from runtime.kernels import build
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "kernels_driver.c")
 CROSS, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
-N_CASES = 99          # kernels_driver.c main(): 72 linear_q, 5 linear_bf16, 2 rms_norm, 2 gqa_decode, 2 x 2 gdn_block
+N_CASES = 100         # kernels_driver.c main(): 72 linear_q, 5 linear_bf16, 2 rms_norm, 2 gqa_decode, 2 x 2 gdn_block, mlp_block
 #                       (x and the state), 7 moe (+ activations)
 
 

@@ -276,6 +276,48 @@ class DeltaPart:
         return lib.tm_gdn_block(ctypes.byref(L), ctypes.byref(G), ctypes.byref(a))
 
 
+class MLPArgs(ctypes.Structure):
+    """moe_cpu.c's tm_mlp_t: a dense SwiGLU MLP (a MoE block's shared experts, a dense layer's MLP)."""
+    _fields_ = [("H", _I32), ("I", _I32), ("act", _I32), ("limit", _F), ("gate_up", LinDesc), ("down", LinDesc),
+                ("gate", LinDesc), ("scratch", _P), ("scratch_n", _I64)]
+
+
+class MLPPart:
+    """A ``DenseMLP`` after a fused block in one ``tm_mlp_block`` call - x += [sigmoid(gate h) *] down(act(gate_up
+    h)) on the kernel's post-norm h - where Python ran its two projections, the activation and the gate's
+    projection and sigmoid (~8 small ops) per layer and step. ``build`` gives None where a projection is not one
+    the kernels read in place (the MLP then runs composed)."""
+
+    def __init__(self, mlp: DenseMLP, gate: "Linear | None", descs: tuple) -> None:
+        M = self.args = MLPArgs()
+        M.H, M.I = mlp.down.out_features, mlp.inter
+        M.act, M.limit = (2, mlp.limit) if mlp.limit else (0, 0.0)
+        M.gate_up, M.down = descs[0], descs[1]
+        if gate is not None:
+            M.gate = descs[2]
+        self.scratch = torch.empty(0)
+
+    @staticmethod
+    def build(mlp: "DenseMLP | None", gate: "Linear | None" = None) -> "MLPPart | None":
+        if not isinstance(mlp, DenseMLP):
+            return None
+        lins = (mlp.gate_up, mlp.down) + ((gate,) if gate is not None else ())
+        if not all(isinstance(lin, Linear) for lin in lins) or (gate is not None and gate.out_features != 1):
+            return None
+        descs = tuple(lin_desc(lin) for lin in lins)
+        return None if any(d is None for d in descs) else MLPPart(mlp, gate, descs)
+
+    def __call__(self, lib, a: StepArgs, B: int) -> None:
+        M = self.args
+        need = B * (3 * M.I + 1)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need)
+            M.scratch, M.scratch_n = self.scratch.data_ptr(), need
+        rc = lib.tm_mlp_block(ctypes.byref(M), ctypes.byref(a))
+        if rc:
+            raise RuntimeError(f"the fused MLP kernel refused (code {rc}: {lib.tm_strerror(rc).decode()})")
+
+
 # attention sublayer's ``fused_part`` -> the part that runs it fused
 ATTENTION_PARTS = {"gqa": GQAPart, "mla": MLAPart, "linear": DeltaPart}
 
@@ -357,6 +399,7 @@ class FusedDecode:
         if self.dense:      # no router, no gate: the kernel stops at the post norm, the MLP runs on its h
             L.H, L.E, L.k, L.router = layer.input_norm.weight.numel(), 0, 0, ROUTER_NONE
             self.experts = self.kernel = None
+            self.mlp = MLPPart.build(block)
             self._ffn = self._dense
         else:
             cfg = block.cfg
@@ -371,6 +414,7 @@ class FusedDecode:
             self.experts = block.executor.backend           # HostKernelExperts (fused_refusal saw to it)
             self.kernel = block.executor.kernel
             self._ffn = self._experts
+            self.mlp = MLPPart.build(block.shared, block.shared_gate) if block.shared is not None else None
         self.part = ATTENTION_PARTS[attn.fused_part](attn, L, self._keep)   # fills the attention's fields
         self.bufs = bufs
 
@@ -422,7 +466,8 @@ class FusedDecode:
         the widest projection input (StepBuffers' dims)."""
         L = self.args
         qkv, att, heads, k_in = self.part.widths
-        return (L.H, qkv, att, heads, L.E, L.k, max(L.H, k_in))
+        mlp_in = self.mlp.args.I if self.mlp is not None else 0
+        return (L.H, qkv, att, heads, L.E, L.k, max(L.H, k_in, mlp_in))
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """The layer on x [B, hidden]: a decode step fused (x updated in place and returned), any other
@@ -464,13 +509,19 @@ class FusedDecode:
             off = [0] + np.cumsum(bufs.counts).tolist()
             ys = block.executor.run(block.moe_idx, fetch, h[bufs.tokB], off)
             x += weighted_sum(ys, bufs.backB, wts)
-        sh = block.shared_out(h)
-        if sh is not None:
-            x += sh
+        if self.mlp is not None:
+            self.mlp(self.lib, bufs.args, B)
+        else:
+            sh = block.shared_out(h)
+            if sh is not None:
+                x += sh
 
     def _dense(self, ctx, bufs: StepBuffers) -> None:
         """A dense MLP layer's FFN on the kernel's post-norm h, added into x."""
-        bufs.x += self.block(bufs.hB)
+        if self.mlp is not None:
+            self.mlp(self.lib, bufs.args, bufs.x.shape[0])
+        else:
+            bufs.x += self.block(bufs.hB)
 
 
 def build_fused(layers: list, device, cfg=None) -> list:

@@ -56,6 +56,8 @@ def _decode(store_dir, fused, frac, monkeypatch):
     model, st = _load(store_dir, fused, frac, monkeypatch)
     try:
         which = [i for i, f in enumerate(model.fused) if f is not None]
+        # the shared experts and dense MLPs of fused layers run in tm_mlp_block (none composed beside it)
+        assert all(f.mlp is not None for f in model.fused if f is not None and (f.dense or f.block.shared is not None))
         seqs = [Sequence() for _ in range(3)]
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 2, 7)]
