@@ -250,6 +250,8 @@ def _declare(lib) -> None:
     lib.tm_gdn_block.restype = ctypes.c_int
     lib.tm_mlp_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.tm_mlp_block.restype = ctypes.c_int
+    lib.tm_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tm_decode_layers.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_float, ctypes.c_void_p]
     lib.tm_rms_norm.restype = ctypes.c_int

@@ -2106,3 +2106,58 @@ int tm_mlp_block(const tm_mlp_t *M, const tm_step_t *S) {
     }
     return 0;
 }
+
+/* A decode step's consecutive fused layers in one call, where Python made four to six calls per layer (the token
+ * mixer, the experts' pointers and rows, tm_moe, the MLP) around the store's bookkeeping: each layer's block (x +=
+ * mixer, h = post norm, routing, dispatch), then its routed experts - read from the layer's residency table - through
+ * tm_moe into x, then its shared experts or dense MLP through tm_mlp_block. The routing of each layer is copied out
+ * (ids, used, counts) for the caller's bookkeeping after the call (the store's requests, the recorded trace: the
+ * caller calls this only while every expert is resident and nothing moves, so the requests can follow the compute).
+ * *done: the layers completed. A layer that routes to an expert its table lacks, or gives an expert more rows than
+ * max_rows, stops the call after its block (return 0, *done = its index, its dispatch in S as tm_attn_block leaves
+ * it): the caller runs its experts the general way and calls again from the next layer. An error code: the layer
+ * *done refused (what it wrote before stays). */
+int tm_decode_layers(const tm_fused_layer_t *layers, int64_t n, const tm_step_t *S, int64_t *done) {
+    if (!layers || !S || !done) return TM_E_NULL;
+    *done = 0;
+    if (n < 0) return TM_E_ARG;
+    for (int64_t i = 0; i < n; i++) {
+        const tm_fused_layer_t *F = layers + i;
+        if (!F->L || F->kind < 0 || F->kind > 2 || (F->kind && !F->ext)) return TM_E_ARG;
+        tm_step_t St = *S;
+        if (F->write) {                                 /* a window ring's rows in place of the paged ones */
+            if (!F->read || !F->pos) return TM_E_NULL;
+            St.write = F->write, St.read = F->read, St.pos = F->pos, St.n = F->n;
+        }
+        int rc = F->kind == 0 ? tm_attn_block(F->L, &St)
+               : F->kind == 1 ? tm_mla_block(F->L, (const tm_mla_t *)F->ext, &St)
+               : tm_gdn_block(F->L, (const tm_gdn_t *)F->ext, &St);
+        if (rc) return rc;
+        const long B = S->B;
+        if (F->moe && B) {
+            const tm_layer_t *L = F->L;
+            const long k = L->k, E = L->E, nu = *S->n_used;
+            if (L->router < 0 || !F->table || !F->ptrs || !F->ids || !F->used || !F->counts || !F->n_used) return TM_E_NULL;
+            if (nu < 0 || nu > E) return TM_E_ARG;
+            memcpy(F->ids, S->ids, B * k * sizeof(int64_t));
+            memcpy(F->used, S->used, nu * sizeof(int64_t));
+            memcpy(F->counts, S->rows, nu * sizeof(int64_t));
+            *F->n_used = nu;
+            for (long j = 0; j < nu; j++) {
+                const int64_t e = S->used[j], *t = F->table + e * P_N;
+                if (e < 0 || e >= E) return TM_E_ARG;
+                if (!t[P_GATE_W] || S->rows[j] > F->max_rows) return 0;        /* *done = i: the caller takes over */
+                memcpy(F->ptrs + j * P_N, t, P_N * sizeof(int64_t));
+            }
+            tm_moe_t a = *F->moe;
+            a.n_exp = (int32_t)nu, a.nthreads = S->nthreads;
+            a.row0 = S->row0, a.rows = S->rows, a.ptrs = F->ptrs;
+            a.xin = S->h, a.tok = S->tok, a.back = S->back, a.wts = S->wts, a.out = S->x;
+            a.T = B, a.k = k, a.out_add = 1, a.n_in = B, a.n_rows = B * k;
+            if ((rc = tm_moe(&a))) return rc;
+        }
+        if (F->mlp && (rc = tm_mlp_block(F->mlp, S))) return rc;
+        *done = i + 1;
+    }
+    return 0;
+}

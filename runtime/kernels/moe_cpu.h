@@ -139,6 +139,22 @@ typedef struct {
     int64_t scratch_n;
 } tm_mlp_t;
 
+/* one fused layer of a decode step (tm_decode_layers) */
+typedef struct {
+    int32_t kind;                     /* its token mixer: 0 GQA (tm_attn_block), 1 MLA (tm_mla_block), 2 linear (tm_gdn_block) */
+    int32_t max_rows;                 /* routed: the most rows an expert may have in the one-call path */
+    const tm_layer_t *L;
+    const void *ext;                  /* kind 1: its tm_mla_t, 2: its tm_gdn_t */
+    const tm_mlp_t *mlp;              /* the shared experts, or the dense layer's MLP; NULL: none */
+    const tm_moe_t *moe;              /* routed experts: tm_moe's arguments but the call's rows (formats, sizes, scratch
+                                       * h / xq / xd / x / y for scratch_rows rows); NULL: a dense layer */
+    const int64_t *table;             /* [E, P_N] each expert's part addresses where it is resident, 0 where it is not */
+    int64_t *ptrs;                    /* [E, P_N] scratch: the used experts' parts */
+    const int64_t *write, *read, *pos;  /* a window ring's addressing in place of the step's (write NULL: the step's) */
+    int64_t n;                        /* keys per sequence the ring's read holds */
+    int64_t *ids, *used, *counts, *n_used;   /* out: the routing ([cap_B k]), its experts ([E]), their rows, how many */
+} tm_fused_layer_t;
+
 int tm_version(void);
 int tm_isa(void);
 int64_t tm_q8_ldd(int64_t K);
@@ -153,5 +169,6 @@ int tm_gqa_decode(float *qk, int64_t qk_ld, const float *v, int64_t v_ld, const 
 int tm_attn_block(const tm_layer_t *L, const tm_step_t *S);
 int tm_gdn_block(const tm_layer_t *L, const tm_gdn_t *G, const tm_step_t *S);
 int tm_mlp_block(const tm_mlp_t *M, const tm_step_t *S);
+int tm_decode_layers(const tm_fused_layer_t *layers, int64_t n, const tm_step_t *S, int64_t *done);
 const char *tm_strerror(int code);
 #endif

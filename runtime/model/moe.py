@@ -28,6 +28,7 @@ from .layers.rope import RotaryEmbedding, mla_softmax_scale, rope_frequencies
 from .layers.router import route
 from .layers.dense import DENSE_QUANT, Linear
 from .layers.fused import build_fused
+from .layers.fused_step import FusedStep
 from .layers.parallel import Reduced, Skipped
 from .layers.weights import DenseTensors, layer_prefix, linear_opts, take, take_raw
 from .residual import DecoderLayer, layer_residual_tensors, residual_kind, residual_tensors
@@ -37,9 +38,9 @@ __all__ = ["MoEModel", "DecoderLayer", "dense_tensors", "ForwardContext", "StepH
            "state_bytes_per_sequence", "rms_norm", "route", "rope_frequencies", "mla_softmax_scale"]
 
 
-def fused_decode_on() -> bool:
+def fused_decode_on(what: str = "DECODE") -> bool:
     import os
-    return os.environ.get("TIERED_MOE_FUSED_DECODE", "1") != "0"
+    return os.environ.get(f"TIERED_MOE_FUSED_{what}", "1") != "0"
 
 
 def dense_tensors(cfg: MoEConfig) -> dict:
@@ -149,6 +150,10 @@ class MoEModel:
         for layer, f in zip(self.layers, self.fused):
             if f is not None:
                 layer.forward = f
+        # runs of consecutive fused layers in one call per decode step (layers/fused_step.py);
+        # TIERED_MOE_FUSED_STEP=0: one layer at a time (for comparison)
+        self.residual.step = FusedStep(self.layers, self.fused) \
+            if any(f is not None for f in self.fused) and fused_decode_on("STEP") else None
 
     @property
     def codec(self):

@@ -55,6 +55,7 @@ class DecoderLayer:
 
 class PlainResidual:
     fusable = True             # a layer may add its sublayers into x itself (the fused decode backend)
+    step = None                # runs of fused layers in one kernel call (layers/fused_step.py), set at build
 
     def __init__(self, cfg: MoEConfig, w: dict, last: bool) -> None:
         self.H = cfg.hidden_size
@@ -66,6 +67,8 @@ class PlainResidual:
         return emb                                                       # x: [tokens, hidden]
 
     def run(self, layers: list, x: torch.Tensor, ctx) -> torch.Tensor:
+        if self.step is not None:
+            return self.step.run(layers, x, ctx)
         for layer in layers:
             x = layer.forward(x, ctx)
         return x

@@ -132,18 +132,26 @@ class GQAPart:
             return "projections the kernels cannot read in place"
         return None
 
-    def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+    kind = 0                              # tm_fused_layer_t.kind: tm_attn_block
+
+    def prepare(self, L: LayerArgs, ctx):
+        """Point the layer's arguments at this forward's cache; -> (the kernel's extra arguments (none), a window
+        ring's (write, read, pos) for this step or None)."""
         kv = ctx.kv
         if kv is not self._kv:            # the cache arena this layer reads (fixed once the engine made it)
             self._kv = kv
             cache = kv[self.attn.i]
             L.K, L.V = cache.k.data_ptr(), cache.v.data_ptr()
             L.slots = cache.k.numel() // (L.nkv * L.hd)                  # [slots, nkv, hd] rows it holds
-        if not self.ring:
-            return lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
         # a window ring [slots, W, kv, hd] read as rows [slots * W, kv, hd]: the step's ring rows in place of
-        # its paged ones for this call (attention.ring_addressing, shared by the step's window layers)
-        write, read, pos = ring_addressing(ctx, self.ring)
+        # its paged ones (attention.ring_addressing, shared by the step's window layers)
+        return None, (ring_addressing(ctx, self.ring) if self.ring else None)
+
+    def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+        _, ring = self.prepare(L, ctx)
+        if ring is None:
+            return lib.tm_attn_block(ctypes.byref(L), ctypes.byref(a))
+        write, read, pos = ring
         paged = a.write, a.read, a.n, a.pos
         a.write, a.read, a.n, a.pos = write.data_ptr(), read.data_ptr(), read.shape[1], pos.data_ptr()
         try:
@@ -193,12 +201,18 @@ class MLAPart:
             return "not float32"
         return None
 
-    def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+    kind = 1                              # tm_mla_block
+
+    def prepare(self, L: LayerArgs, ctx):
         M, kv = self.margs, ctx.kv
         if kv is not self._kv:
             self._kv = kv
             cache = kv[self.attn.i].k                                    # [slots, 1, lat + rope]
             M.cache, M.slots = cache.data_ptr(), cache.numel() // (M.lat + M.rope)
+        return M, None
+
+    def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+        M, _ = self.prepare(L, ctx)
         return lib.tm_mla_block(ctypes.byref(L), ctypes.byref(M), ctypes.byref(a))
 
 
@@ -259,7 +273,13 @@ class DeltaPart:
             return "sizes past the kernel's limits"
         return None
 
+    kind = 2                              # tm_gdn_block
+
     def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
+        G, _ = self.prepare(L, ctx)
+        return lib.tm_gdn_block(ctypes.byref(L), ctypes.byref(G), ctypes.byref(a))
+
+    def prepare(self, L: LayerArgs, ctx):
         G, kv = self.gargs, ctx.kv
         cache = kv[self.attn.i]
         if kv is not self._kv:            # the state arena this layer reads and writes in place
@@ -273,7 +293,7 @@ class DeltaPart:
             cache.recurrent[ctx.fresh] = 0
             cache.conv[ctx.fresh] = 0
         G.state = ctx.state.data_ptr()    # [B] int64, alive with ctx for the call
-        return lib.tm_gdn_block(ctypes.byref(L), ctypes.byref(G), ctypes.byref(a))
+        return G, None
 
 
 class MLPArgs(ctypes.Structure):

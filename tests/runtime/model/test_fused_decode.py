@@ -52,7 +52,8 @@ def _load(store_dir, fused: bool, frac: float, monkeypatch):
     return load_model(store_dir, expert_budget=slots * m.blob_stride, policy="lru")
 
 
-def _decode(store_dir, fused, frac, monkeypatch):
+def _decode(store_dir, fused, frac, monkeypatch, step=True):
+    monkeypatch.setenv("TIERED_MOE_FUSED_STEP", "1" if step else "0")
     model, st = _load(store_dir, fused, frac, monkeypatch)
     try:
         which = [i for i, f in enumerate(model.fused) if f is not None]
@@ -63,15 +64,22 @@ def _decode(store_dir, fused, frac, monkeypatch):
         prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 2, 7)]
         feed(model, seqs, prompts)
         steps = [feed(model, seqs, [[t] for t in torch.randint(0, 96, (3,), generator=g).tolist()]) for _ in range(6)]
+        runner = model.residual.step
+        if fused and step and frac == 1.0:       # the decode steps ran through the one-call step (layers/fused_step.py)
+            # and MoE layers' experts in it (from their residency tables; the rest fell back one layer at a time)
+            assert runner is not None and runner.calls >= 6
+            assert runner.routed_done > 0 or all(f is None or f.dense for f in model.fused)
         return which, torch.stack(steps), dict(st.stats.hits)
     finally:
         st.close()
 
 
+@pytest.mark.parametrize("step", [True, False])
 @pytest.mark.parametrize("frac", [1.0, 0.1])
-def test_fused_decode_equals_composed(store, frac, monkeypatch):
+def test_fused_decode_equals_composed(store, frac, step, monkeypatch):
+    """The fused layers one call per step (step) and one layer at a time, against the composed layers."""
     arch, d = store
-    which, fused, hits = _decode(d, True, frac, monkeypatch)
+    which, fused, hits = _decode(d, True, frac, monkeypatch, step)
     assert which == FUSED[arch], arch
     _, composed, hits0 = _decode(d, False, frac, monkeypatch)
     assert (fused - composed).abs().max().item() <= 1e-5 * composed.abs().max().item(), arch
@@ -110,10 +118,12 @@ def test_cache_bonus_and_other_dtypes_run_composed(store, monkeypatch):
                 f._attention = lambda *a, _o=orig: (calls.append(1), _o(*a))
         s = Sequence()
         feed(model, [s], [[1, 2, 3]])
+        runner, before = model.residual.step, model.residual.step.calls
         feed(model, [s], [[4]], StepHooks(cache_bonus=0.5))
-        assert not calls
+        assert not calls and runner.calls == before
         feed(model, [s], [[5]], StepHooks(cache_bonus=0.0))
-        assert len(calls) == len(FUSED[arch])
+        # one layer at a time, or the fused layers in the step's one call (layers/fused_step.py)
+        assert len(calls) == len(FUSED[arch]) or (not calls and runner.calls > before)
     finally:
         st.close()
 
@@ -134,6 +144,45 @@ def test_linear_attention_state_slots_reused_and_fresh(store, monkeypatch):
                    for n in (1, 5, 1, 2, 1)]
             eng.run()
             out[fused] = [eng.done[i].output for i in ids]
+        finally:
+            st.close()
+    assert out[True] == out[False], arch
+
+
+def _expert_args_follow(model):
+    runner, bufs = model.residual.step, model.fused[0].bufs
+    assert runner.routed_done > 0 and bufs.n > 64
+    assert all(r.moe.x == bufs.xs.data_ptr() and r.moe.y == bufs.ys.data_ptr() for r in runner.routed if r is not None)
+
+
+def test_fused_step_follows_step_buffers_that_grow(store, monkeypatch):
+    """The step's buffers are remade when the batch or the context outgrows them (StepBuffers._alloc): the one-call
+    step's expert arguments follow them (they pointed at freed rows once) - tokens as composed past the growth."""
+    arch, d = store
+    if arch not in ("qwen3_moe", "deepseek_v3", "qwen3_next"):
+        pytest.skip("one architecture per attention kind")
+    out = {}
+    for fused in (True, False):
+        model, st = _load(d, fused, 1.0, monkeypatch)
+        try:
+            eng = Engine(model, st, max_batch=4, prefill_chunk=16)
+            # one sequence decoding past the first 64 keys of scratch (the context grows, the batch does not), then
+            # three at once (the batch grows)
+            ids = [eng.add_request([5, 9, 4], SamplingParams(max_tokens=72, ignore_eos=True))]
+            held = []
+            while eng.has_work():
+                eng.step()
+                if fused and not held and model.fused[0].bufs.x is not None:
+                    held.append(model.fused[0].bufs.xs)     # kept alive: its rows cannot be handed out again
+            if fused:
+                assert model.fused[0].bufs.xs is not held[0]                  # remade as the context grew
+                _expert_args_follow(model)
+            ids += [eng.add_request([(7 * i + n) % 90 + 3 for i in range(n)], SamplingParams(max_tokens=6, ignore_eos=True))
+                    for n in (9, 3, 5)]
+            eng.run()
+            out[fused] = [eng.done[i].output for i in ids]
+            if fused:
+                _expert_args_follow(model)
         finally:
             st.close()
     assert out[True] == out[False], arch
