@@ -135,18 +135,25 @@ def test_linear_attention_state_slots_reused_and_fresh(store, monkeypatch):
     arch, d = store
     if arch not in ("qwen3_next", "qwen3_5_moe_text", "kimi_linear"):
         pytest.skip("no linear-attention layer")
+    def drive(model, eng, fused):
+        ids = [eng.add_request(list(range(5 + n, 5 + 2 * n)), SamplingParams(max_tokens=6, ignore_eos=True))
+               for n in (1, 5, 1, 2, 1)]
+        eng.run()
+        return [eng.done[i].output for i in ids]
+    out = _fused_and_composed(d, monkeypatch, 2, 4, drive)
+    assert out[True] == out[False], arch
+
+
+def _fused_and_composed(d, monkeypatch, max_batch, prefill_chunk, drive) -> dict:
+    """{fused: drive(model, engine, fused)} for the fused and the composed layers, every expert in the device tier."""
     out = {}
     for fused in (True, False):
         model, st = _load(d, fused, 1.0, monkeypatch)
         try:
-            eng = Engine(model, st, max_batch=2, prefill_chunk=4)
-            ids = [eng.add_request(list(range(5 + n, 5 + 2 * n)), SamplingParams(max_tokens=6, ignore_eos=True))
-                   for n in (1, 5, 1, 2, 1)]
-            eng.run()
-            out[fused] = [eng.done[i].output for i in ids]
+            out[fused] = drive(model, Engine(model, st, max_batch=max_batch, prefill_chunk=prefill_chunk), fused)
         finally:
             st.close()
-    assert out[True] == out[False], arch
+    return out
 
 
 def _expert_args_follow(model):
@@ -161,28 +168,23 @@ def test_fused_step_follows_step_buffers_that_grow(store, monkeypatch):
     arch, d = store
     if arch not in ("qwen3_moe", "deepseek_v3", "qwen3_next"):
         pytest.skip("one architecture per attention kind")
-    out = {}
-    for fused in (True, False):
-        model, st = _load(d, fused, 1.0, monkeypatch)
-        try:
-            eng = Engine(model, st, max_batch=4, prefill_chunk=16)
-            # one sequence decoding past the first 64 keys of scratch (the context grows, the batch does not), then
-            # three at once (the batch grows)
-            ids = [eng.add_request([5, 9, 4], SamplingParams(max_tokens=72, ignore_eos=True))]
-            held = []
-            while eng.has_work():
-                eng.step()
-                if fused and not held and model.fused[0].bufs.x is not None:
-                    held.append(model.fused[0].bufs.xs)     # kept alive: its rows cannot be handed out again
-            if fused:
-                assert model.fused[0].bufs.xs is not held[0]                  # remade as the context grew
-                _expert_args_follow(model)
-            ids += [eng.add_request([(7 * i + n) % 90 + 3 for i in range(n)], SamplingParams(max_tokens=6, ignore_eos=True))
-                    for n in (9, 3, 5)]
-            eng.run()
-            out[fused] = [eng.done[i].output for i in ids]
-            if fused:
-                _expert_args_follow(model)
-        finally:
-            st.close()
+    def drive(model, eng, fused):
+        # one sequence decoding past the first 64 keys of scratch (the context grows, the batch does not), then
+        # three at once (the batch grows)
+        ids = [eng.add_request([5, 9, 4], SamplingParams(max_tokens=72, ignore_eos=True))]
+        held = []
+        while eng.has_work():
+            eng.step()
+            if fused and not held and model.fused[0].bufs.x is not None:
+                held.append(model.fused[0].bufs.xs)     # kept alive: its rows cannot be handed out again
+        if fused:
+            assert model.fused[0].bufs.xs is not held[0]                  # remade as the context grew
+            _expert_args_follow(model)
+        ids += [eng.add_request([(7 * i + n) % 90 + 3 for i in range(n)], SamplingParams(max_tokens=6, ignore_eos=True))
+                for n in (9, 3, 5)]
+        eng.run()
+        if fused:
+            _expert_args_follow(model)
+        return [eng.done[i].output for i in ids]
+    out = _fused_and_composed(d, monkeypatch, 4, 16, drive)
     assert out[True] == out[False], arch
