@@ -2154,7 +2154,9 @@ int tm_decode_layers(const tm_fused_layer_t *layers, int64_t n, const tm_step_t 
             a.row0 = S->row0, a.rows = S->rows, a.ptrs = F->ptrs;
             a.xin = S->h, a.tok = S->tok, a.back = S->back, a.wts = S->wts, a.out = S->x;
             a.T = B, a.k = k, a.out_add = 1, a.n_in = B, a.n_rows = B * k;
+            const long t0 = F->moe_ns ? now_ns() : 0;
             if ((rc = tm_moe(&a))) return rc;
+            if (F->moe_ns) *F->moe_ns = now_ns() - t0;
         }
         if (F->mlp && (rc = tm_mlp_block(F->mlp, S))) return rc;
         *done = i + 1;

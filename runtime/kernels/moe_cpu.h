@@ -153,6 +153,7 @@ typedef struct {
     const int64_t *write, *read, *pos;  /* a window ring's addressing in place of the step's (write NULL: the step's) */
     int64_t n;                        /* keys per sequence the ring's read holds */
     int64_t *ids, *used, *counts, *n_used;   /* out: the routing ([cap_B k]), its experts ([E]), their rows, how many */
+    int64_t *moe_ns;                  /* out: nanoseconds its experts took (NULL: not timed) */
 } tm_fused_layer_t;
 
 int tm_version(void);

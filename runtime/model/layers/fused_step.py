@@ -34,7 +34,7 @@ class FusedLayerArgs(ctypes.Structure):
     """moe_cpu.h's tm_fused_layer_t."""
     _fields_ = [("kind", _I32), ("max_rows", _I32), ("L", _P), ("ext", _P), ("mlp", _P), ("moe", _P), ("table", _P),
                 ("ptrs", _P), ("write", _P), ("read", _P), ("pos", _P), ("n", _I64), ("ids", _P), ("used", _P),
-                ("counts", _P), ("n_used", _P)]
+                ("counts", _P), ("n_used", _P), ("moe_ns", _P)]
 
 
 class _Routed:
@@ -45,6 +45,11 @@ class _Routed:
         self.f, self.block, self.kernel = f, f.block, f.kernel
         E = f.args.E
         self.m, self.E = f.block.moe_idx, E
+        # a layer whose experts compute from their host slots (--cpu-experts N, and one memory on a CPU, where the
+        # host tier is the only one): its table reads those
+        self.host = self.m < f.block.store.placement.cpu_layers
+        self.ns = np.zeros(1, np.int64)                              # its experts' time in the call
+        entry.moe_ns = self.ns.ctypes.data
         self.moe = kernels.MoEArgs.from_buffer_copy(self.kernel.args)
         self.table = np.zeros((E, P_N), np.int64)                    # [E, P_N] part addresses where resident
         self.ptrs = np.zeros((E, P_N), np.int64)
@@ -75,10 +80,13 @@ class _Routed:
         routed. Every expert was resident, so the request finds them all in place."""
         nu = int(self.n_used[0])
         ids = torch.from_numpy(self.ids[:B * k].reshape(B, k).copy()) if ctx.hooks.record is not None else None
-        fetch = self.block.request(ctx, ids, self.used[:nu].tolist(), self.counts[:nu].tolist(), None)
-        if fetch.pending or fetch.plan is not None or fetch.host:
-            raise RuntimeError(f"MoE layer {self.m}: the store moved experts the fused step computed from its "
-                               f"residency table (pending {sorted(fetch.pending)}, host {sorted(fetch.host)})")
+        used, counts = self.used[:nu].tolist(), self.counts[:nu].tolist()
+        fetch = self.block.request(ctx, ids, used, counts, None)
+        if fetch.pending or fetch.plan is not None or set(fetch.host) != (set(used) if self.host else set()):
+            raise RuntimeError(f"MoE layer {self.m}: the store placed experts elsewhere than the fused step's "
+                               f"residency table had them (pending {sorted(fetch.pending)}, host {sorted(fetch.host)})")
+        if self.host:                    # host compute time, as FusedDecode's record_host_share counts it
+            fetch.store.record_host_compute(int(self.ns[0]) / 1e9)
 
 
 class FusedStep:
@@ -106,8 +114,8 @@ class FusedStep:
                 self.store = f.block.store
             self.fused[i] = f
         self._rows = None
-        self._slots: dict = {}           # the device slots the tables were built from
-        self._loading: set = set()       # keys that were loading then (not in the tables yet)
+        self._slots: dict = {}           # host (bool) -> the slots the tables were built from
+        self._loading: dict = {}         # host -> keys that were loading then (not in the tables yet)
         self.calls = 0                   # tm_decode_layers calls (tests)
         self.routed_done = 0             # MoE layers whose experts ran in those calls
 
@@ -116,29 +124,35 @@ class FusedStep:
         if not ctx.decode or hooks.cache_bonus or hooks.routed is not None or self.bufs is None:
             return False
         st = self.store
-        return st is None or (st.placement.hybrid is None and not st.placement.cpu_layers)
+        return st is None or st.placement.hybrid is None
 
     def _sync(self) -> None:
-        """The residency tables brought up to date with the device slots (only what changed since the last sync)."""
+        """The residency tables brought up to date with the slots (the device's, or the host's for host-computed
+        layers): only what changed since the last sync."""
         st = self.store
         if st is None:
             return
-        slots = st.dev.slot_of
-        if slots == self._slots and not self._loading:
-            return
-        E, L = self.routed_E, self.by_moe
-        old = self._slots
-        changed = {k for k, v in slots.items() if old.get(k) != v} | {k for k in old if k not in slots} | self._loading
-        self._loading = set()
-        for key in changed:
-            r = L.get(key // E)
-            if r is None:
+        # host slots only where the host tier holds every expert (loaded at start, never moved): a host tier that
+        # reads from disk on demand leaves those layers' tables empty (they run the general way)
+        for host, slab in ((False, st.dev), (True, st.host)) if st.host_holds_all else ((False, st.dev),):
+            slots, old = slab.slot_of, self._slots.get(host, {})
+            if slots == old and not self._loading.get(host):
                 continue
-            live = key in slots and not (key in st.inflight and not st.inflight[key].done())
-            if key in slots and not live:
-                self._loading.add(key)
-            r.set(key % E, st.slot_views(key) if live else None)
-        self._slots = dict(slots)
+            E, L = self.routed_E, self.by_moe
+            changed = {k for k, v in slots.items() if old.get(k) != v} | {k for k in old if k not in slots} \
+                | self._loading.get(host, set())
+            loading = self._loading[host] = set()
+            for key in changed:
+                r = L.get(key // E)
+                if r is None or r.host != host:
+                    continue
+                # a slot whose copy is in flight, or ended in an error (the store's request raises it), is not live
+                fut = st.inflight.get(key)
+                live = key in slots and (fut is None or (fut.done() and fut.exception() is None))
+                if key in slots and not live:
+                    loading.add(key)
+                r.set(key % E, st.slot_views(key, host=host) if live else None)
+            self._slots[host] = dict(slots)
 
     @property
     def routed_E(self) -> int:

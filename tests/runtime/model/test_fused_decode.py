@@ -188,3 +188,31 @@ def test_fused_step_follows_step_buffers_that_grow(store, monkeypatch):
         return [eng.done[i].output for i in ids]
     out = _fused_and_composed(d, monkeypatch, 4, 16, drive)
     assert out[True] == out[False], arch
+
+
+def test_fused_step_one_memory_reads_host_slots(store, monkeypatch):
+    """On a CPU without budgets (the CLI's default: one memory, every expert in the host tier, computed there -
+    cpu_layers over every layer) the one-call step reads the host slots: logits and hits as composed, the experts of
+    every MoE layer computed in the call, their time counted as host compute."""
+    arch, d = store
+    if arch not in ("qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss"):
+        pytest.skip("one architecture per attention kind")
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setenv("TIERED_MOE_FUSED_DECODE", "1" if fused else "0")
+        model, st = load_model(d, host_budget="auto")
+        try:
+            assert st.host_holds_all and st.placement.cpu_layers == model.cfg.num_moe_layers
+            seqs, g = [Sequence() for _ in range(2)], torch.Generator().manual_seed(3)
+            feed(model, seqs, [[5, 6, 7], [8, 9]])
+            logits = torch.stack([feed(model, seqs, [[t] for t in torch.randint(0, 96, (2,), generator=g).tolist()])
+                                  for _ in range(5)])
+            runs[fused] = (logits, dict(st.stats.hits), st.stats.host_compute_seconds)
+            if fused:
+                n_moe = sum(1 for f in model.fused if f is not None and not f.dense)
+                assert model.residual.step.routed_done == 5 * n_moe > 0
+        finally:
+            st.close()
+    (fl, fh, fs), (cl, ch, _) = runs[True], runs[False]
+    assert (fl - cl).abs().max().item() <= 1e-5 * cl.abs().max().item(), arch
+    assert fh == ch and fs > 0
