@@ -61,6 +61,7 @@ import decode_speed  # noqa: E402  (bench/decode_speed.py: MID, prompts, NEW, PR
 from llama_cpp_side import (CMAKE_FLAGS, EXPERTS_ONLY, FORMATS, SDIST, build_hf, gguf_dense_bytes, ggufs,  # noqa: E402
                             llama_prefill, llama_rate, llama_tree, log, sh)
 import layer_backends  # noqa: E402  (bench/layer_backends.py: the gpt-oss- and Qwen3-Next-like shapes)
+from runtime import kernels  # noqa: E402
 from runtime.model.convert import convert  # noqa: E402
 from runtime.store import Manifest  # noqa: E402
 
@@ -464,7 +465,8 @@ def main():
     if bad:
         ap.error(f"unknown shape/format {bad}; shapes {list(SHAPES)}, formats {list(FORMATS)}")
     meta = {"command": "python bench/vs_llama_cpp.py" + "".join(" " + shlex.quote(x) for x in sys.argv[1:]),
-            "machine": machine(), "load": [os.getloadavg()[0]], "blob_bytes": {}, "llama_dense_bytes": {}}
+            "machine": f"{machine()}; tiered-moe's host kernels: the {kernels.isa()} build",
+            "load": [os.getloadavg()[0]], "blob_bytes": {}, "llama_dense_bytes": {}}
     tree, bindir = llama_tree(a.llama_dir, a.cache)
     items = []
     for s in shapes:
