@@ -25,3 +25,7 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 # the process dies.
 LD_PRELOAD="$asan" "$PY" -m pytest -q -p no:cacheprovider --capture=sys \
   tests/runtime/test_kernel_abi.py tests/runtime/test_host_kernels.py tests/runtime/test_gdn_block.py tests/runtime/test_mlp_block.py "$@"
+# The fused decode end to end (tm_decode_layers over every layer kind's block, the experts' residency tables, the
+# step buffers as they grow): one architecture per attention kind
+LD_PRELOAD="$asan" "$PY" -m pytest -q -p no:cacheprovider --capture=sys tests/runtime/model/test_fused_decode.py \
+  -k "qwen3_moe or deepseek_v3 or qwen3_next or gpt_oss or kimi_linear" "$@"
