@@ -1,4 +1,5 @@
-"""CPU decode of an attention + MoE decoder layer in two host-kernel calls (runtime/kernels/moe_cpu.c).
+"""CPU decode of an attention + MoE (or dense MLP) decoder layer in two or three host-kernel calls
+(runtime/kernels/moe_cpu.c); layers/fused_step.py runs a step's consecutive ones in one.
 
 A decode step of the composed layers runs ~25 small ops per layer - norms, projections, RoPE, the
 cache writes, attention, the residual adds, the router's softmax and top-k, the dispatch in numpy -

@@ -120,6 +120,8 @@ class FusedStep:
         self.routed_done = 0             # MoE layers whose experts ran in those calls
 
     def usable(self, ctx) -> bool:
+        """Whether this forward may run its fused layers in one call: a decode step with no prefetch hook or
+        cache-aware routing, and no per-expert hybrid decisions in the store (module doc)."""
         hooks = ctx.hooks
         if not ctx.decode or hooks.cache_bonus or hooks.routed is not None or self.bufs is None:
             return False
