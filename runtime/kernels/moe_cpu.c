@@ -318,28 +318,12 @@ static inline __m512 load16(const int fmt, const void *W, long i) {
     if (fmt == F_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
-/* axpy1 at 16 floats a vector: 32 columns of W per step, the y row in L1. */
-static inline __attribute__((always_inline)) void axpy1w(const int fmt, const int R, const void *W, long ldw, long k,
-        long n0, long n1, const float *x, long ldx, float *y, long ldy) {
-    __m512 xb[2];
-    for (int r = 0; r < R; r++) xb[r] = _mm512_set1_ps(x[r * ldx + k]);
-    long c = n0;
-    for (; c + 32 <= n1; c += 32) {
-        PF((const char *)W + (k * ldw + c) * (fmt == F_F32 ? 4 : 2));
-        if (fmt == F_F32) PF((const char *)W + (k * ldw + c) * 4 + 64);
-        __m512 w0 = load16(fmt, W, k * ldw + c), w1 = load16(fmt, W, k * ldw + c + 16);
-        for (int r = 0; r < R; r++) {
-            float *yr = y + r * ldy + c;
-            _mm512_storeu_ps(yr, _mm512_fmadd_ps(xb[r], w0, _mm512_loadu_ps(yr)));
-            _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(xb[r], w1, _mm512_loadu_ps(yr + 16)));
-        }
-    }
-    if (c < n1) axpy1(fmt, R, W, ldw, k, c, n1, x, ldx, y, ldy);
-}
-#define AXPY axpy1w
-#else
-#define AXPY axpy1
 #endif
+/* The axpy form at 8 floats a vector in every build. Its stores bound it, and a Zen 4 core (AVX-512 in two
+ * 256-bit halves) retires a 512-bit store every other cycle: there a 16-float form took 108 us per mid-size bf16
+ * expert against this one's 85 (bench/host_kernels.py, 1 token; the same sums, so the same outputs). A core with
+ * full-width stores might prefer the wide form - not measured. */
+#define AXPY axpy1
 
 static void dense_proj(int fmt, const void *W, long ldw, int K, long n0, long n1, const float *x, long ldx,
                        long nrows, float *y, long ldy) {
