@@ -328,12 +328,17 @@ class MLPPart:
         descs = tuple(lin_desc(lin) for lin in lins)
         return None if any(d is None for d in descs) else MLPPart(mlp, gate, descs)
 
-    def __call__(self, lib, a: StepArgs, B: int) -> None:
+    def size(self, B: int) -> None:
+        """Scratch for B rows (tm_mlp_block's: B (3 I + 1) floats), grown, never shrunk."""
         M = self.args
         need = B * (3 * M.I + 1)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need)
             M.scratch, M.scratch_n = self.scratch.data_ptr(), need
+
+    def __call__(self, lib, a: StepArgs, B: int) -> None:
+        M = self.args
+        self.size(B)
         rc = lib.tm_mlp_block(ctypes.byref(M), ctypes.byref(a))
         if rc:
             raise RuntimeError(f"the fused MLP kernel refused (code {rc}: {lib.tm_strerror(rc).decode()})")

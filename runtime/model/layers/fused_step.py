@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ... import kernels
-from .fused import FusedDecode, MLPArgs
+from .fused import FusedDecode
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 P_N = 8                                  # moe_cpu.h: the parts of an expert (P_GATE_W .. P_DOWN_BIAS)
@@ -113,6 +113,7 @@ class FusedStep:
                 self.routed[i] = _Routed(f, e)
                 self.store = f.block.store
             self.fused[i] = f
+        self.by_moe = {r.m: r for r in self.routed if r is not None}     # MoE layer index -> its side
         self._rows = None
         self._slots: dict = {}           # host (bool) -> the slots the tables were built from
         self._loading: dict = {}         # host -> keys that were loading then (not in the tables yet)
@@ -140,7 +141,7 @@ class FusedStep:
             slots, old = slab.slot_of, self._slots.get(host, {})
             if slots == old and not self._loading.get(host):
                 continue
-            E, L = self.routed_E, self.by_moe
+            E, L = st.m.num_experts, self.by_moe
             changed = {k for k, v in slots.items() if old.get(k) != v} | {k for k in old if k not in slots} \
                 | self._loading.get(host, set())
             loading = self._loading[host] = set()
@@ -156,17 +157,6 @@ class FusedStep:
                 r.set(key % E, st.slot_views(key, host=host) if live else None)
             self._slots[host] = dict(slots)
 
-    @property
-    def routed_E(self) -> int:
-        return self.store.m.num_experts
-
-    @property
-    def by_moe(self) -> dict:
-        m = getattr(self, "_by_moe", None)
-        if m is None:
-            m = self._by_moe = {r.m: r for r in self.routed if r is not None}
-        return m
-
     def _size(self, B: int) -> None:
         bufs = self.bufs
         k = bufs.dims[5]
@@ -178,12 +168,8 @@ class FusedStep:
             for r in self.routed:
                 if r is not None:
                     r.size(rows, bufs)
-        for mlp in self.mlps:            # their scratch for B rows (tm_mlp_block's)
-            M: MLPArgs = mlp.args
-            need = B * (3 * M.I + 1)
-            if mlp.scratch.numel() < need:
-                mlp.scratch = torch.empty(need)
-                M.scratch, M.scratch_n = mlp.scratch.data_ptr(), need
+        for mlp in self.mlps:
+            mlp.size(B)
 
     def run(self, layers: list, x: torch.Tensor, ctx) -> torch.Tensor:
         """The layers over x [B, hidden] for one forward: runs of fused layers in one call where ``usable``."""
