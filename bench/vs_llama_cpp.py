@@ -61,6 +61,7 @@ import decode_speed  # noqa: E402  (bench/decode_speed.py: MID, prompts, NEW, PR
 from llama_cpp_side import (CMAKE_FLAGS, EXPERTS_ONLY, FORMATS, SDIST, build_hf, gguf_dense_bytes, ggufs,  # noqa: E402
                             llama_prefill, llama_rate, llama_tree, log, sh)
 import layer_backends  # noqa: E402  (bench/layer_backends.py: the gpt-oss- and Qwen3-Next-like shapes)
+from cache_policy.keys import PREFILL_CHUNK  # noqa: E402
 from runtime import kernels  # noqa: E402
 from runtime.model.convert import convert  # noqa: E402
 from runtime.store import Manifest  # noqa: E402
@@ -237,8 +238,9 @@ def run_prefill(bindir: str, items: list, reps: int, n: int) -> dict:
 def prefill_section(pp: dict, n: int, shapes: list, formats: list) -> list:
     L = [f"\n## Prefill: one {n}-token prompt (pp{n})\n\n",
          f"llama.cpp `llama-bench -p {n} -n 0` (its default batch 2048 / ubatch 512); ours at the CLI's defaults "
-         f"(prefill chunk 64, 8-bit activations for 4-bit experts), batch 1, every expert resident, prompt tokens / "
-         f"the time to the first token.\n\n",
+         f"(prefill chunk {PREFILL_CHUNK}, 8-bit activations for 4-bit weights and bf16 ones for bf16 weights past the "
+         f"GEMV's rows, prefix caching on), batch 1, every expert resident, prompt tokens / the time to the first "
+         f"token.\n\n",
          "| shape | weights | threads | llama.cpp tok/s | tiered-moe tok/s | tiered-moe / llama.cpp |\n",
          "|---|---|---|---|---|---|\n"]
     for s in shapes:

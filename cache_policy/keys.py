@@ -15,6 +15,10 @@ from typing import NamedTuple
 SCOPES = ("layer", "global")
 # How the live engine picks each step's requests (runtime/engine/scheduler.py).
 SCHEDULES = ("fcfs", "expert-aware")
+# Prompt tokens a sequence feeds per step by default: llama.cpp's ubatch. The prefill matmuls need rows - an
+# expert gets chunk x top_k / experts of them (16 at 64 on a 32-expert top-4 model, past the host kernels'
+# GEMV into BLAS at 512) - and every step pays its per-layer overhead once (bench/results/prefill_chunk.md).
+PREFILL_CHUNK = 512
 
 
 class ExpertKey(NamedTuple):

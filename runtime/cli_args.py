@@ -7,7 +7,7 @@ import argparse
 import os
 
 from cache_policy import cost_model as cm
-from cache_policy.keys import SCHEDULES, SCOPES, parse_bytes
+from cache_policy.keys import PREFILL_CHUNK, SCHEDULES, SCOPES, parse_bytes
 from cache_policy.policies import POLICIES, live_policies
 from cache_policy.prefetch import LIVE_PREFETCHERS, PREFETCHERS
 from cache_policy.replay import PREFETCH_RULES
@@ -125,7 +125,9 @@ def _add_hybrid_args(p, live: bool = True) -> None:
                        help="quantized (mxfp4, int4, int8) experts and --dense-quant weights computed on the CPU: q8 "
                             "(default, as llama.cpp's default) = activations rounded to 8 bits per 32 values and "
                             "integer dot products (~1%% output error); none = float32 activations, exact to float32 "
-                            "rounding (slower). Float (bf16, fp16, fp32) experts are not affected")
+                            "rounding (slower). bf16 weights (experts and dense): q8 also rounds the rows of "
+                            "prefill-size products to bf16 for a bf16 matmul (llama.cpp's way for BF16 weights); "
+                            "decode's few rows stay float32 either way")
         p.add_argument("--dense-quant", default="none", choices=["none", "int8", "int4"],
                        help="non-expert projections (attention, dense MLPs, shared experts, the head) quantized at load "
                             "for the CPU kernels: int8 (group 32, as llama.cpp's Q8_0) or int4 (group 32; the head "
@@ -155,7 +157,8 @@ def _add_engine_args(p, max_batch: int) -> None:
                    help="M stages of consecutive layers (x --tensor-parallel ranks each), hidden states handed from "
                         "stage to stage, micro-batches so stages overlap at batch > 1; across nodes with torchrun "
                         "(README: multi-node)")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per sequence per step")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help=f"prompt tokens per sequence per step (default {PREFILL_CHUNK}, llama.cpp's ubatch)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of prompt prefixes seen before (on by default, as in vLLM; "
                         "models with per-sequence state - linear attention, sliding windows, DeepSeek-V4 - also "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_policy.cost_model import load_profile
-from cache_policy.keys import SCHEDULES, SCOPES, CpuExperts
+from cache_policy.keys import PREFILL_CHUNK, SCHEDULES, SCOPES, CpuExperts
 from cache_policy.policies import live_policies
 from cache_policy.prefetch import LIVE_PREFETCHERS
 from cache_policy.replay import PREFETCH_RULES
@@ -34,7 +34,7 @@ class RuntimeConfig:
     scope: str = "global"
     prefetch: str = "none"
     max_batch: int = 16
-    prefill_chunk: int = 64
+    prefill_chunk: int = PREFILL_CHUNK
     threads: "int | None" = None
     expert_budget: "int | None" = None   # bytes of device expert slots directly (instead of device_budget)
     cache_bonus: float = 0.0

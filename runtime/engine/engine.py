@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from cache_policy.keys import LINKS, TIERS
+from cache_policy.keys import LINKS, PREFILL_CHUNK, TIERS
 from cache_policy.prefetch import LIVE_PREFETCHERS, PrefetchController
 from cache_policy.replay import PREFETCH_RULES
 from cache_policy.traces import Trace
@@ -36,7 +36,7 @@ __all__ = ["Engine", "FinishReason", "Request", "SamplingParams", "SchedulerOutp
 
 
 class Engine:
-    def __init__(self, model, store, *, max_batch: int = 16, prefill_chunk: int = 64, prefetch: str = "none",
+    def __init__(self, model, store, *, max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK, prefetch: str = "none",
                  prefetch_budget: "int | None" = None, max_context: "int | None" = None,
                  schedule: str = "fcfs", max_active: "int | None" = None, cache_bonus: float = 0.0,
                  prefetch_rule: str = "cost", keep_records: bool = True, prefix_caching: bool = True,

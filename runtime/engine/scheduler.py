@@ -41,8 +41,9 @@ class Scheduler:
         # boundaries where that state is worth keeping (``_boundaries``) and snapshotted there (KVManager.snapshot).
         self.prefix_caching = prefix_caching
         # ... every this many tokens (a whole number of blocks), besides the prompt's last full block and the end
-        # of what the cache held when it was admitted (where another request with the same prefix will look)
-        self.snapshot_every = 256
+        # of what the cache held when it was admitted (where another request with the same prefix will look); no
+        # finer than the prefill chunk, which a boundary would otherwise cut (a prompt's rows per expert)
+        self.snapshot_every = max(256, prefill_chunk)
 
     @property
     def blocks(self) -> KVManager:

@@ -291,3 +291,24 @@ def test_shipped_builds_load_without_a_compiler(monkeypatch, tmp_path):
         assert "ships in this install" in why and "no C compiler" in why, why
     finally:
         kernels.reset()
+
+
+@pytest.mark.parametrize("fmt,params", [("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"})])
+def test_q8_kernel_takes_a_prompts_rows(fmt, params):
+    """With 8-bit activations the kernel computes experts of any row count (prefill at chunk 512 gives an
+    expert of a 32-expert top-4 model ~64 rows, some far more): no row bound, and an expert of 150 rows
+    (row tiles of every size, then a remainder) still follows the q8 rule."""
+    H = I = 128
+    specs, blobs = make_experts(fmt, params, H, I, 2, seed=5)
+    kern = HostMoE(specs, H, I, H, act_quant="q8")
+    assert kern.max_rows >= 1 << 20 and HostMoE(specs, H, I, H).max_rows == 64
+    rows = [150, 3]
+    xs = torch.randn(sum(rows), H, generator=torch.Generator().manual_seed(9))
+    ys = torch.full((sum(rows), H), float("nan"))
+    kern.run(blobs, [0, 150], rows, xs, ys)
+    codec = ExpertCodec(specs, torch.float32, "cpu")
+    for blob, a, n in zip(blobs, [0, 150], rows):
+        w = {k: v.double() for k, v in codec.dequantize_all(blob).items()}
+        h = q8_rows(xs[a:a + n]) @ torch.cat([w["gate"], w["up"]]).T
+        ref = q8_rows((torch.nn.functional.silu(h[:, :I]) * h[:, I:]).float()) @ w["down"].T
+        assert (ys[a:a + n].double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

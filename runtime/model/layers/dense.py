@@ -57,6 +57,9 @@ class Linear:
             self._fwd = self._quantized
         elif self.kept:
             self.w = w.contiguous()                                      # w: [out, in] bf16
+            # past the GEMV's rows, bf16 activations with act_quant q8 (llama.cpp's default for BF16
+            # weights; 2-2.5x a widened float32 product here), else the weight widened (exact)
+            self.bf16_acts = act_quant == "q8"
             self._fwd = self._bf16
         else:
             self.wt = w.to(dtype).t().contiguous()                       # wt: [in, out]
@@ -93,10 +96,15 @@ class Linear:
         return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
 
     def _bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """The kept bf16 weight: the kernel's GEMV for a few float32 rows (decode); widened for one BLAS
-        call past them (prefill)."""
-        if x.shape[0] > GEMV_ROWS or x.dtype != torch.float32:
+        """The kept bf16 weight: the kernel's GEMV for a few float32 rows (decode); past them (prefill) one
+        BLAS call, on bf16-rounded rows with ``bf16_acts``, else on the weight widened to float32."""
+        if x.dtype != torch.float32:
             return torch.nn.functional.linear(x, self.w.to(x.dtype), self.b)
+        if x.shape[0] > GEMV_ROWS:
+            if not self.bf16_acts:
+                return torch.nn.functional.linear(x, self.w.to(x.dtype), self.b)
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.w).float()    # y: [n, out]
+            return y if self.b is None else y.add_(self.b)
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features)
         kernels.lib().tm_linear_bf16(x.data_ptr(), x.shape[0], self.in_features, self.w.data_ptr(),

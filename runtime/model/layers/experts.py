@@ -86,6 +86,12 @@ class ExpertExecutor:
         # Experts on the CPU: one grouped kernel call per layer over the stored bytes (runtime/kernels);
         # None where the layout or the machine has no kernel (then the reference path).
         self.kernel, self.kernel_off = host_kernel(cfg, store.m.weights, act_quant)
+        # Prefill-size products of bf16 experts with bf16 activations (the fast setting, q8): what
+        # llama.cpp does for BF16 weights, and a bf16 matmul (AVX512-BF16 / AMX through oneDNN) runs
+        # 2-2.5x the float32 one with no widened copy (bench/results/prefill_bf16.md).
+        self.bf16_acts = act_quant == "q8" and not self.codec.quantized and \
+            self.codec.fmts["down"].dtype == torch.bfloat16
+        self.bf16_rows = 8
         on_cpu = self.codec.device.type == "cpu"
         # The backend, once: the kernels where they run (a CPU), the reference path elsewhere.
         self.backend = HostKernelExperts(self) if self.kernel is not None and on_cpu else \
@@ -115,14 +121,35 @@ class ExpertExecutor:
         """Experts on the CPU: views[j] (blob views) on xs[row0[j] : row0[j] + rows[j]] -> ys (float32,
         contiguous). One kernel call for every expert of decode size; an expert with more rows
         (prefill) through the reference path, whose BLAS matmul wins there."""
-        most = self.kernel.max_rows
+        most = min(self.kernel.max_rows, self.bf16_rows) if self.bf16_acts else self.kernel.max_rows
+        big = [j for j, n in enumerate(rows) if n > most]
+        if big and self.bf16_acts:
+            # first: it writes every row of ys, and the kernel's experts then overwrite theirs
+            self.grouped_bf16([views[j] for j in big], [row0[j] for j in big], [rows[j] for j in big], xs, ys)
+        elif big:
+            for j in big:
+                a, n = row0[j], rows[j]
+                self.ffn(codec.weights(views[j]), xs[a:a + n].to(codec.compute_dtype), ys[a:a + n])
         small = [j for j, n in enumerate(rows) if 0 < n <= most]
         if small:
             self.kernel.run([views[j] for j in small], [row0[j] for j in small], [rows[j] for j in small], xs, ys)
-        for j, n in enumerate(rows):
-            if n > most:
-                a = row0[j]
-                self.ffn(codec.weights(views[j]), xs[a:a + n].to(codec.compute_dtype), ys[a:a + n])
+
+    def grouped_bf16(self, views: list, row0: list, rows: list, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        """bf16 experts on many rows with bf16 activations (the fast setting; llama.cpp's for BF16 weights):
+        the blobs' bf16 tensors as they lie, the rows rounded to bf16 once, products accumulated in float32
+        and rounded to bf16 (oneDNN), the activation on those. Four torch calls an expert: at a few dozen rows
+        an expert, the calls are what a prompt's experts cost besides the matmuls. Writes every row of ys
+        (rows of other experts with junk). xs, ys: [T*k, hidden or latent] float32."""
+        xb = xs.to(torch.bfloat16)                                       # xb: [T*k, in]
+        yb = torch.empty(ys.shape, dtype=torch.bfloat16)                 # yb: [T*k, out]
+        for v, a, n in zip(views, row0, rows):
+            h = torch.mm(xb[a:a + n], v["gate_up.t"])                    # h: [n, 2I] bf16 (blob: [in, 2I])
+            if "gate_up_bias.t" in v:
+                h += v["gate_up_bias.t"]
+            y = torch.mm(self._act(h, self.I, self.cfg), v["down.t"], out=yb[a:a + n])   # [n, out]
+            if "down_bias.t" in v:
+                y += v["down_bias.t"]
+        ys.copy_(yb)
 
     def run(self, m: int, fetch, xs: torch.Tensor, off: list) -> torch.Tensor:
         """Experts of MoE layer ``m`` on their sorted rows xs [T*k, hidden or latent] -> ys [T*k, same]."""

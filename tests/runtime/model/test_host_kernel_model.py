@@ -84,6 +84,60 @@ def test_kernel_path_equals_reference_path(bf16, which, monkeypatch):
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """Rounded to bf16 (nearest, ties to even), back in float64."""
+    return t.to(torch.bfloat16).double()
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def test_bf16_activations_past_the_gemv_follow_their_definition(bf16):
+    """--host-act-quant q8 (the CLI's default) on a bf16 store: a product of more rows than the GEMV takes
+    (prefill) rounds x to bf16 and its result to bf16 (oneDNN sums in float32), as llama.cpp computes BF16
+    weights - dense weights, and experts with more rows than the kernel's bf16 threshold, whose SwiGLU then
+    runs on the rounded h and is rounded again. The roundings written out here in float64; only the sums'
+    order differs, which flips a bf16 rounding now and then (measured: 0 for the experts, 4e-4 of the output's
+    scale for the dense product), while leaving the roundings out errs ~4e-3: the test tells them apart. The
+    experts of a few rows in the same call run the kernel on float32 rows (2e-5, as test_host_kernels)."""
+    ref, hf, d = bf16
+    model, store = load_model(str(d / "bf16"), host_act_quant="q8")
+    g = torch.Generator().manual_seed(3)
+    try:
+        lin = model.layers[0].attn.qkv
+        assert lin.kept and lin.bf16_acts
+        x = torch.randn(40, lin.in_features, generator=g)
+        y = lin(x)
+        exact = x.double() @ lin.w.double().T
+        assert _err(y, _bf16(_bf16(x) @ lin.w.double().T)) <= 1.5e-3 < _err(y, exact)
+        ex = model.executor
+        assert ex.bf16_acts and ex.bf16_rows < 40
+        rows = [40, 3, 0, 25]
+        f = store.request(0, list(range(len(rows))), 0)
+        f.wait()
+        views = [f.tensors(e) for e in range(len(rows))]
+        row0 = [0, 40, 43, 43]
+        xs = torch.randn(sum(rows), ex.codec.shapes[0], generator=g)
+        ys = torch.full((sum(rows), ex.codec.shapes[2]), float("nan"))
+        ex.grouped(ex.codec, views, row0, rows, xs, ys)
+        I = ex.I
+        for v, a, n in zip(views, row0, rows):
+            if not n:
+                continue
+            gu, dn = v["gate_up.t"].double(), v["down.t"].double()         # [in, 2I], [I, out]
+            h = xs[a:a + n].double() @ gu
+            exact = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ dn
+            if n > ex.bf16_rows:
+                h = _bf16(_bf16(xs[a:a + n]) @ gu)
+                act = _bf16(_bf16(torch.nn.functional.silu(h[:, :I])) * h[:, I:])
+                assert _err(ys[a:a + n], _bf16(act @ dn)) <= 1.5e-3 < _err(ys[a:a + n], exact), n
+            else:
+                assert _err(ys[a:a + n], exact) <= 2e-5, n
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("dq,tol", [("int8", 0.05), ("int4", 0.35)])
 def test_dense_quant_quantizes_every_projection_and_stays_close(bf16, dq, tol):
     """--dense-quant: attention and the head (int8 under int4, as llama.cpp keeps it above 4 bits) run on
