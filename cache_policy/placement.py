@@ -51,7 +51,7 @@ class Wave:
     evicted: tuple
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Moves:
     """What a placement decision asks the live store to carry out (flat keys): free the evicted
     slots of each tier, load ``loaded`` onto the device (``from_disk`` of them read from disk first)."""
@@ -61,7 +61,10 @@ class Moves:
     host_evicted: tuple = ()
 
 
-@dataclass(frozen=True)
+_NO_MOVES = Moves()        # the decision of an access whose experts are all in place (most decode steps)
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """A demand access decided (``TieredPlacement.access_detail``): device hits, the misses to bring
     to the device, the experts computed on the host, the waves, and the moves to carry out."""
@@ -356,10 +359,11 @@ class TieredPlacement:
                 self.host_evictions += len(host_evicted)
                 evicted += self._back_invalidate(host_evicted)
         plan = tuple(Wave(tuple(k), tuple(n), tuple(e)) for k, n, e in dev.last_waves) if waves > 1 else None
+        moves = _NO_MOVES if not (misses or from_disk or evicted or host_evicted) else \
+            Moves(loaded=tuple(misses), from_disk=tuple(from_disk), device_evicted=tuple(evicted),
+                  host_evicted=tuple(host_evicted))
         return Placement(hits=n_hits, misses=tuple(misses), host=tuple(host_keys), waves=waves, prefetch_used=used,
-                         moves=Moves(loaded=tuple(misses), from_disk=tuple(from_disk), device_evicted=tuple(evicted),
-                                     host_evicted=tuple(host_evicted)),
-                         wave_plan=plan)
+                         moves=moves, wave_plan=plan)
 
     def _take_pending(self, keys) -> int:
         """Prefetched experts needed now count as used. One still pending is still resident:

@@ -213,7 +213,11 @@ class ExpertStore:
             first = plan[0]
             started = self.carry_out(Moves(loaded=first.loaded, device_evicted=first.evicted), self.demand_pool)
             return Fetch(self, layer, experts, {k - layer * m.num_experts: f for k, f in started.items()}, plan, host)
-        started = self.carry_out(d.moves, self.demand_pool)
+        mv = d.moves
+        if not (mv.loaded or mv.from_disk or mv.device_evicted or mv.host_evicted) and \
+                not (self.inflight and any(k in self.inflight for k in keys)):
+            return Fetch(self, layer, experts, {}, host=host)        # every expert in place, none of them moving
+        started = self.carry_out(mv, self.demand_pool)
         pending = {}
         for e, k in zip(experts, keys):
             fut = started.get(k) or self.inflight.get(k)

@@ -82,7 +82,7 @@ class _Routed:
         ids = torch.from_numpy(self.ids[:B * k].reshape(B, k).copy()) if ctx.hooks.record is not None else None
         used, counts = self.used[:nu].tolist(), self.counts[:nu].tolist()
         fetch = self.block.request(ctx, ids, used, counts, None)
-        if fetch.pending or fetch.plan is not None or set(fetch.host) != (set(used) if self.host else set()):
+        if fetch.pending or fetch.plan is not None or (set(fetch.host) != set(used) if self.host else fetch.host):
             raise RuntimeError(f"MoE layer {self.m}: the store placed experts elsewhere than the fused step's "
                                f"residency table had them (pending {sorted(fetch.pending)}, host {sorted(fetch.host)})")
         if self.host:                    # host compute time, as FusedDecode's record_host_share counts it
