@@ -39,6 +39,9 @@ ARCHITECTURES = {
     "ernie4_5_moe": "ernie4_5_moe",
     "qwen3_vl_moe": "qwen3_vl_moe",       # the multimodal release: its Qwen3-MoE language model (text_config)
     "deepseek_v4": "deepseek_v4",
+    "solar_open": "solar_open",
+    "minicpm5_moe": "minicpm5_moe",
+    "glm4v_moe": "glm4v_moe",             # the multimodal release: its GLM-4.5 language model (text_config)
 }
 
 
@@ -91,3 +94,16 @@ def typed_sliding(d: dict) -> "list | None":
     if d.get("layer_types"):
         return [i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention"]
     return None
+
+
+def hf_defaults(d: dict, common: dict, *, head_dim: "int | None" = None, rms_norm_eps: "float | None" = None,
+                rope_theta: "float | None" = None) -> None:
+    """The architecture's transformers config-class defaults where config.json leaves the field out
+    (``from_dict``'s own fallbacks - H // heads, 1e-6, 1e4 - are other architectures')."""
+    if head_dim is not None and d.get("head_dim") is None:
+        common["head_dim"] = int(head_dim)
+    if rms_norm_eps is not None and d.get("rms_norm_eps") is None:
+        common["rms_norm_eps"] = float(rms_norm_eps)
+    if rope_theta is not None and not any("rope_theta" in (x or {}) for x in (d, d.get("rope_parameters"),
+                                                                                d.get("rope_scaling"))):
+        common["rope_theta"] = float(rope_theta)

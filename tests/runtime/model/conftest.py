@@ -151,6 +151,27 @@ ARCHS = {
         partial_rotary_factor=0.25, eos_token_id=None, bos_token_id=None, pad_token_id=None,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                          "beta_fast": 32, "beta_slow": 1})),
+    # Solar Open: Llama attention (q/k/v biases, no o bias, RoPE over the whole head), GLM-4.5's MoE on every layer.
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        head_dim=16, attention_bias=True, routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None)),
+    # MiniCPM5-MoE: Llama attention with a sigmoid output gate ([q | gate] per head in q_proj), DeepSeek-V3's router,
+    # a shared expert, a dense first layer.
+    "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, attention_bias=True,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # GLM-4.5V as released: GLM-4.5's language model (q/k/v biases, RoPE on half of each head, MRoPE the same for
+    # text) under text_config and model.language_model.; a vision tower beside it.
+    "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", dict(
+        text_config=dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                         moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [2, 1, 1]},
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=4, image_size=8, spatial_merge_size=2, temporal_patch_size=2))),
 }
 
 
