@@ -11,6 +11,9 @@ from .config_views import HyperFields, LinearFields, MLAFields, V4Fields
 from .layers.router import ROUTERS
 
 SUPPORTED = tuple(ARCHITECTURES)
+# q/k RMSNorm: none | head (Qwen3: per head, before RoPE) | full (OLMoE: over the projection) | head_post_rope
+# (Hunyuan: per head, after RoPE)
+QK_NORMS = ("none", "head", "full", "head_post_rope")
 
 
 @dataclass
@@ -31,7 +34,7 @@ class MoEConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)   # {} or YaRN parameters (factor, original_max_position_embeddings, ...)
     qkv_bias: bool = False
-    qk_norm: str = "none"              # none | head (Qwen3: per head) | full (OLMoE: over the projection)
+    qk_norm: str = "none"              # see QK_NORMS
     router: str = "softmax_topk"       # see ROUTERS
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
@@ -119,6 +122,8 @@ class MoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{src}: {name} must be a positive integer, got {v!r}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"{src}: qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{src}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if self.top_k > self.num_experts:

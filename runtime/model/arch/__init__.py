@@ -42,6 +42,8 @@ ARCHITECTURES = {
     "solar_open": "solar_open",
     "minicpm5_moe": "minicpm5_moe",
     "glm4v_moe": "glm4v_moe",             # the multimodal release: its GLM-4.5 language model (text_config)
+    "hy_v3": "hy_v3",
+    "hunyuan_v1_moe": "hunyuan_v1_moe",
 }
 
 
@@ -107,3 +109,21 @@ def hf_defaults(d: dict, common: dict, *, head_dim: "int | None" = None, rms_nor
     if rope_theta is not None and not any("rope_theta" in (x or {}) for x in (d, d.get("rope_parameters"),
                                                                                 d.get("rope_scaling"))):
         common["rope_theta"] = float(rope_theta)
+
+
+def moe_layers_of(d: dict, L: int, src: str, dense_first: int = 1) -> list:
+    """The MoE layers of a config that names each layer's MLP in ``mlp_layer_types`` ('dense' / 'sparse'), else
+    of its default: the first ``dense_first`` layers dense."""
+    kinds = d.get("mlp_layer_types") or ["dense" if i < dense_first else "sparse" for i in range(L)]
+    if len(kinds) != L or any(t not in ("dense", "sparse") for t in kinds):
+        raise ValueError(f"{src}: mlp_layer_types must give 'dense' or 'sparse' for each of {L} layers, got {kinds!r}")
+    return [i for i, t in enumerate(kinds) if t == "sparse"]
+
+
+def renamed(name: str, pairs: tuple) -> list:
+    """``stored_names`` of an architecture whose release renames parts of our names: [ours, theirs] where a
+    (ours, theirs) pair applies, else [ours]."""
+    for ours, theirs in pairs:
+        if ours in name:
+            return [name, name.replace(ours, theirs)]
+    return [name]

@@ -4,7 +4,7 @@ transformers requires it (``use_gated_attention``) - and DeepSeek-V3's MoE: sigm
 bias, group-limited top-k, renormalised, routed scaling, shared experts, dense layers from ``mlp_layer_types``
 (else the first ``first_k_dense_replace``). Where config.json leaves them out, transformers' defaults: head_dim 128,
 rope_theta 5e6, routed scaling 3.66, one dense layer, one shared expert."""
-from . import dense_intermediate, hf_defaults
+from . import dense_intermediate, hf_defaults, moe_layers_of
 
 
 def sliding_layers(d: dict, L: int):
@@ -17,11 +17,7 @@ def config(d: dict, common: dict, need) -> dict:
         raise ValueError(f"{src}: minicpm5_moe without gated attention (use_gated_attention false) is not a model "
                          f"transformers runs")
     hf_defaults(d, common, head_dim=128, rope_theta=5e6)
-    kinds = d.get("mlp_layer_types") or ["dense" if i < int(d.get("first_k_dense_replace", 1)) else "sparse"
-                                         for i in range(L)]
-    if len(kinds) != L or any(t not in ("dense", "sparse") for t in kinds):
-        raise ValueError(f"{src}: mlp_layer_types must give 'dense' or 'sparse' for each of {L} layers, got {kinds!r}")
-    moe = [i for i, t in enumerate(kinds) if t == "sparse"]
+    moe = moe_layers_of(d, L, src, int(d.get("first_k_dense_replace", 1)))
     moe_inter = int(need("moe_intermediate_size"))
     bias = bool(d.get("attention_bias", False))
     return dict(dense_intermediate=dense_intermediate(moe, L, need), expert_intermediate=moe_inter, moe_layers=moe,

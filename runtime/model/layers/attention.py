@@ -52,7 +52,7 @@ class Attention(Sublayer):
         if cfg.qk_norm == "full":       # over the whole q / k projection (OLMoE, MiniMax-M2)
             self.q_norm, self.k_norm = (RMSNorm(take(w, p + "q_norm.weight"), self.eps),
                                         RMSNorm(take(w, p + "k_norm.weight"), self.eps))
-        elif cfg.qk_norm == "head":     # per head: q and k weights stacked for one joint norm [heads + kv, hd]
+        elif cfg.qk_norm in ("head", "head_post_rope"):   # per head: q and k weights stacked, one joint norm [heads + kv, hd]
             q, k = take(w, p + "q_norm.weight"), take(w, p + "k_norm.weight")
             self.qk_w = RMSNorm(torch.cat([q.expand(nh, -1), k.expand(self.nkv, -1)]), self.eps)
         self.sinks = take(w, p + "sinks") if cfg.attn_sinks else None
@@ -61,12 +61,16 @@ class Attention(Sublayer):
         self._attend = self._ring if self.windowed else self._paged
         self._qk = {"full": self._qk_full, "head": self._qk_head}.get(self.qk_norm, self._qk_plain)
         self._rotate = self._rotate_partial if self.rotary_dim else self._rotate_full
+        if self.qk_norm == "head_post_rope":          # Hunyuan: the per-head norm after RoPE (they do not commute)
+            rotate = self._rotate
+            self._rotate = lambda qk, cos, sin: self.qk_w(rotate(qk, cos, sin))
         self._sdpa = self._sdpa_plain if self.sinks is None else self._sdpa_sinks
         self._out = self._out_gated if self.gated else self._out_plain
         # The decode backend, once: the host kernel (RoPE, cache writes and attention of every sequence in
         # one call, sinks included) on a CPU with the kernels, float32; else the torch ops.
+        # (The kernel rotates q and k itself: a norm after RoPE takes the torch ops.)
         self._decode = self._decode_host if (kernels.lib() is not None and qkv.device.type == "cpu"
-                                             and dt == torch.float32
+                                             and dt == torch.float32 and self.qk_norm != "head_post_rope"
                                              and (self.rotary_dim or hd) <= 1024) else self._decode_torch
         self._sinks32 = None if self.sinks is None else self.sinks.float().contiguous()   # [nh], the kernel's
 
@@ -309,7 +313,7 @@ def attention_extras(cfg: MoEConfig, p: str) -> dict:
         out[p + "self_attn.o_proj.bias"] = (H,)
     if cfg.attn_sinks:
         out[p + "self_attn.sinks"] = (cfg.num_heads,)
-    if cfg.qk_norm == "head":
+    if cfg.qk_norm in ("head", "head_post_rope"):
         out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     elif cfg.qk_norm == "full":
         out.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})

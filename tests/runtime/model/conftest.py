@@ -172,6 +172,21 @@ ARCHS = {
                          eos_token_id=None, bos_token_id=None, pad_token_id=None),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                            patch_size=4, image_size=8, spatial_merge_size=2, temporal_patch_size=2))),
+    # Hunyuan 3: biases on q/k/v/o, per-head q/k norm, a sigmoid router (+ correction bias, renormalised, scaled), an
+    # ungated shared expert, a dense first layer; saved under the release's names (mlp.router.gate, mlp.expert_bias,
+    # mlp.shared_mlp).
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=4, num_shared_experts=1, moe_intermediate_size=32, head_dim=16,
+        router_scaling_factor=2.5, attention_bias=True, mlp_layer_types=["dense", "sparse", "sparse"],
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Hunyuan-A13B: biases on q/k/v/o, the per-head q/k norm after RoPE, softmax -> top-k -> renorm on every layer,
+    # an ungated shared MLP; ... with the released NTK-alpha RoPE ("dynamic" with a fixed alpha).
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        num_experts=16, moe_topk=2, head_dim=16, attention_bias=True, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None)),
+    "hunyuan_v1_moe_alpha": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        num_experts=16, moe_topk=2, head_dim=16, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0, "alpha": 1000.0})),
 }
 
 

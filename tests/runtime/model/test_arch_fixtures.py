@@ -244,6 +244,14 @@ BAD = [
     ("qwen3_vl_moe", {"model_type": "qwen3_moe"}, "qwen3_vl_moe text_config model_type 'qwen3_moe' is not supported"),
     ("qwen3_vl_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_type 'dynamic'"),
+    ("glm4v_moe", {"model_type": "glm4_moe"}, "glm4v_moe text_config model_type 'glm4_moe' is not supported"),
+    ("minicpm5_moe", {"use_gated_attention": False}, "without gated attention"),
+    ("minicpm5_moe", {"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types must give"),
+    ("hy_v3", {"mlp_bias": True}, "mlp_bias is not supported for hy_v3"),
+    ("hunyuan_v1_moe", {"use_cla": True}, "use_cla .cross-layer attention. is not supported"),
+    ("hunyuan_v1_moe", {"moe_topk": [2, 1, 2]}, r"moe_topk differs between layers \(\[2, 1, 2\]\)"),
+    ("hunyuan_v1_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "dynamic RoPE without alpha"),
 ]
 
 
@@ -256,7 +264,16 @@ def test_unsupported_options_are_refused_by_name(arch, change, msg):
         dense_names(MoEConfig.from_dict(d, source="c.json"))
 
 
-@pytest.mark.parametrize("arch", ["kimi_k25", "qwen3_vl_moe"])
+@pytest.mark.parametrize("arch", ["kimi_k25", "qwen3_vl_moe", "glm4v_moe"])
 def test_multimodal_config_without_text_config(arch):
     with pytest.raises(ValueError, match=f"c.json: {arch} config.json has no text_config"):
         MoEConfig.from_dict({"model_type": arch}, source="c.json")
+
+
+def test_an_unknown_qk_norm_is_refused_by_name():
+    """A q/k norm placement the attention does not implement is an error at the config, not a silent no-norm."""
+    import dataclasses
+    cfg = MoEConfig.from_dict(json.loads(hf_config("hunyuan_v1_moe").to_json_string(use_diff=False)), source="c.json")
+    assert cfg.qk_norm == "head_post_rope"
+    with pytest.raises(ValueError, match="qk_norm 'after_o' is not one of none, head, full, head_post_rope"):
+        dataclasses.replace(cfg, qk_norm="after_o")
