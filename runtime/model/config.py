@@ -67,6 +67,9 @@ class MoEConfig:
     rotary_dim: int = 0
     attn_output_gate: bool = False
     norm_offset: float = 0.0
+    # pre: x += attn(norm(x)), x += ffn(norm(x)) (every family but one); post (OLMo-2, FlexOlmo): x += norm(attn(x)),
+    # x += norm(ffn(x)) - the norms after the sublayers (post_attention_layernorm, post_feedforward_layernorm)
+    norm_placement: str = "pre"
     attn_res_block_layers: int = 0     # > 0: Block Attention Residuals over blocks of this many layers (attn_res.py)
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): attention = "mla"
     attention: str = "gqa"
@@ -122,6 +125,10 @@ class MoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{src}: {name} must be a positive integer, got {v!r}")
+        if self.norm_placement not in ("pre", "post"):
+            raise ValueError(f"{src}: norm_placement {self.norm_placement!r} is not pre or post")
+        if self.norm_placement == "post" and (self.hc_mult or self.attn_res_block_layers):
+            raise ValueError(f"{src}: norms after the sublayers with hyper-connections or attention residuals")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"{src}: qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
         if self.num_heads % self.num_kv_heads:
@@ -194,6 +201,12 @@ class MoEConfig:
         """Layers whose cache grows with every token: the paged KV cache's."""
         win = set(self.window_layers) | set(self.v4_layers)
         return [i for i in self.attention_layers if i not in win]
+
+    @property
+    def layer_norm_names(self) -> tuple:
+        """A layer's two RMSNorm weights (the attention sublayer's, the FFN's), under model.layers.N."""
+        return (("input_layernorm.weight", "post_attention_layernorm.weight") if self.norm_placement == "pre" else
+                ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))
 
     @property
     def expert_in(self) -> int:

@@ -28,7 +28,7 @@ def shard_dense(cfg: MoEConfig, p: ShardPlan, dense: dict) -> dict:
         return out
     for i in range(cfg.num_layers):
         pre = layer_prefix(i)
-        if pre + "input_layernorm.weight" not in out:
+        if pre + cfg.layer_norm_names[0] not in out:
             continue                      # another pipeline stage's layer
         if p.attn_split[i]:
             attention_kind(cfg, i).shard_tensors(cfg, i, out, p)

@@ -53,7 +53,7 @@ def dense_tensors(cfg: MoEConfig) -> dict:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_layers):
         p = layer_prefix(i)
-        out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+        out.update({p + n: (H,) for n in cfg.layer_norm_names})
         out.update(layer_residual_tensors(cfg, p))
         out.update(attention_kind(cfg, i).tensors(cfg, i))
         if i in cfg.moe_layers:
@@ -130,9 +130,9 @@ class MoEModel:
             else (None, None)
         hc = (HyperConnection(cfg, w, pre + "attn_hc."), HyperConnection(cfg, w, pre + "ffn_hc.")) if cfg.hc_mult \
             else (None, None)
-        eps = cfg.rms_norm_eps
-        return DecoderLayer(i, attn, ffn, RMSNorm(take(w, pre + "input_layernorm.weight"), eps),
-                            RMSNorm(take(w, pre + "post_attention_layernorm.weight"), eps), *q, *hc)
+        eps, (an, fn) = cfg.rms_norm_eps, cfg.layer_norm_names
+        return DecoderLayer(i, attn, ffn, RMSNorm(take(w, pre + an), eps), RMSNorm(take(w, pre + fn), eps), *q, *hc,
+                            norm_after=cfg.norm_placement == "post")
 
     def _pick_layer_backends(self, tp, device) -> None:
         """Each layer's backend on the plain residual stream, once: the fused CPU decode (two kernel calls per
@@ -142,6 +142,7 @@ class MoEModel:
         TIERED_MOE_FUSED_DECODE=0 turns it off (the composed path for comparison)."""
         off = ("TIERED_MOE_FUSED_DECODE=0" if not fused_decode_on() else
                "not a plain residual stream" if not self.residual.fusable else
+               "norms after the sublayers (the kernels norm before)" if self.cfg.norm_placement != "pre" else
                "tensor-parallel ranks" if tp is not None and tp.plan.shard.world > 1 else None)
         if off is not None:
             self.fused, self.fused_why = [None] * len(self.layers), [off] * len(self.layers)

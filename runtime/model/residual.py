@@ -1,7 +1,7 @@
 """Decoder layers and the residual stream that carries them, each picked once when the model is built.
 
 ``DecoderLayer`` is one layer: an attention kind and an FFN kind (runtime/model/layers/), each after its
-RMSNorm. ``forward`` is its backend on the plain residual stream - ``composed`` (the sublayers' own
+RMSNorm (or, OLMo-2's placement, each followed by it). ``forward`` is its backend on the plain residual stream - ``composed`` (the sublayers' own
 ops) or the fused CPU decode (layers/fused.py) - chosen at build.
 
 A residual scheme says what flows between the layers and how a layer's sublayers read and add to it:
@@ -42,8 +42,11 @@ class DecoderLayer:
     attn_hc: "HyperConnection | None" = None
     ffn_hc: "HyperConnection | None" = None
     forward: object = field(default=None, repr=False)   # the backend on the plain stream: composed or fused
+    norm_after: bool = False   # OLMo-2 / FlexOlmo: input_norm / post_norm follow the attention / FFN instead
 
     def __post_init__(self) -> None:
+        if self.norm_after:                  # the layer's composed ops, wherever they are asked for, are these
+            self.composed = self.composed_post
         if self.forward is None:
             self.forward = self.composed
 
@@ -51,6 +54,11 @@ class DecoderLayer:
         """The plain residual stream through this layer's sublayers. x: [tokens, hidden]."""
         x = x + self.attn(self.input_norm(x), ctx)
         return x + self.ffn(self.post_norm(x), ctx)
+
+    def composed_post(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """... with the norms after the sublayers: x += norm(attn(x)); x += norm(ffn(x))."""
+        x = x + self.input_norm(self.attn(x, ctx))
+        return x + self.post_norm(self.ffn(x, ctx))
 
 
 class PlainResidual:

@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "glm4v_moe": "glm4v_moe",             # the multimodal release: its GLM-4.5 language model (text_config)
     "hy_v3": "hy_v3",
     "hunyuan_v1_moe": "hunyuan_v1_moe",
+    "flex_olmo": "flex_olmo",
 }
 
 

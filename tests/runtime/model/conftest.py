@@ -187,6 +187,10 @@ ARCHS = {
     "hunyuan_v1_moe_alpha": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
         num_experts=16, moe_topk=2, head_dim=16, eos_token_id=None, bos_token_id=None, pad_token_id=None,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0, "alpha": 1000.0})),
+    # FlexOlmo: OLMo-2's norms after the sublayers and q/k norm over the projection, OLMoE's MoE, q/k/v/o biases.
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=2, attention_bias=True, norm_topk_prob=True, eos_token_id=None,
+        pad_token_id=None)),
 }
 
 
