@@ -70,6 +70,13 @@ class MoEConfig:
     # pre: x += attn(norm(x)), x += ffn(norm(x)) (every family but one); post (OLMo-2, FlexOlmo): x += norm(attn(x)),
     # x += norm(ffn(x)) - the norms after the sublayers (post_attention_layernorm, post_feedforward_layernorm)
     norm_placement: str = "pre"
+    # Granite's scalars (folded into the weights at load, moe.fold_scales): the embeddings x embedding_multiplier,
+    # each sublayer's output x residual_multiplier before the residual add, the attention scale
+    # attention_multiplier (0: head_dim ** -0.5), the logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0
+    logits_scaling: float = 1.0
     attn_res_block_layers: int = 0     # > 0: Block Attention Residuals over blocks of this many layers (attn_res.py)
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): attention = "mla"
     attention: str = "gqa"

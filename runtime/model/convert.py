@@ -272,6 +272,16 @@ def read_dense(ck: "Checkpoint", name: str, shape: tuple, sq: ShippedQuant, dtyp
     return ck.get(name, shape).contiguous()
 
 
+def read_rows(ck: "Checkpoint", name: str, shape: tuple, where: tuple) -> torch.Tensor:
+    """Our tensor ``name`` as rows lo:hi of a stored one (where = (stored name, lo, hi))."""
+    src, lo, hi = where
+    t = ck.get(src)
+    if t.dim() != len(shape) or t.shape[0] < hi or tuple(t.shape[1:]) != tuple(shape[1:]) or hi - lo != shape[0]:
+        raise ValueError(f"{ck.dir}: tensor {ck.stored(src)!r} has shape {tuple(t.shape)}, expected rows {lo}:{hi} "
+                         f"of it to be {name} {tuple(shape)}")
+    return t[lo:hi].contiguous()
+
+
 def _gpt_oss_layer(ck: "Checkpoint", cfg: MoEConfig, layer: int) -> dict:
     """gpt-oss's fused per-layer expert tensors -> per expert logical weights. Its gate_up rows
     (output features) interleave gate (even) and up (odd); they are reordered into gate then up
@@ -439,8 +449,10 @@ def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: 
     """The dense tensors (dequantized like every non-expert weight), config and tokenizer files."""
     from safetensors.torch import save_file
     embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-    dense = {n: read_dense(ck, n, s, sq, embed.dtype) for n, s in dense_names(cfg).items()}
     arch = module(cfg.model_type)
+    sliced = getattr(arch, "sliced", None)    # tensors an architecture stores as rows of one (Granite's shared MLP)
+    dense = {n: read_dense(ck, n, s, sq, embed.dtype) if sliced is None or sliced(n, cfg) is None else
+             read_rows(ck, n, s, sliced(n, cfg)) for n, s in dense_names(cfg).items()}
     if hasattr(arch, "convert_dense"):   # an architecture's reordering of stored weights (ERNIE 4.5's q/k rows)
         arch.convert_dense(cfg, dense)
     path = os.path.join(out_dir, "dense.safetensors")

@@ -63,6 +63,29 @@ def dense_tensors(cfg: MoEConfig) -> dict:
     return out
 
 
+def fold_scales(cfg: MoEConfig, dense: dict) -> None:
+    """Granite's scalar multipliers folded into the dense weights once, in float32, each tensor back in its dtype:
+    q (and its bias) x attention_multiplier * sqrt(head_dim) - the attention's own scale is head_dim ** -0.5 -;
+    o, a dense MLP's and the shared experts' down x residual_multiplier (the routed experts' through
+    routed_scaling_factor, which the architecture sets to it); the embeddings x embedding_multiplier; the final
+    norm / logits_scaling, and / embedding_multiplier where the head is the (scaled) embedding. The kernels and
+    every backend then need no scalar of their own."""
+    def scale(name: str, f: float) -> None:
+        if f != 1.0 and name in dense:
+            dense[name] = (dense[name].float() * f).to(dense[name].dtype)
+    r = cfg.residual_multiplier
+    for i in range(cfg.num_layers):
+        p = layer_prefix(i)
+        for sfx in ("weight", "bias"):
+            if cfg.attention_multiplier:
+                scale(f"{p}self_attn.q_proj.{sfx}", cfg.attention_multiplier * cfg.head_dim ** 0.5)
+            scale(f"{p}self_attn.o_proj.{sfx}", r)
+            scale(f"{p}{cfg.mlp_prefix}down_proj.{sfx}", r)
+            scale(f"{p}{cfg.shared_prefix}down_proj.{sfx}", r)
+    scale("model.embed_tokens.weight", cfg.embedding_multiplier)
+    scale("model.norm.weight", 1.0 / (cfg.logits_scaling * (cfg.embedding_multiplier if cfg.tie_word_embeddings else 1.0)))
+
+
 class MoEModel:
     def __init__(self, cfg: MoEConfig, dense: dict, experts, *, device: str = "cpu", dtype=torch.float32,
                  kv_bytes: "int | None" = None, host_act_quant: str = "none", dense_quant: str = "none",
@@ -82,6 +105,7 @@ class MoEModel:
                              f"(a stage would hand over every block summary); run it with --tensor-parallel only")
         self.tokens_per_thread = 128      # intra-op threads of a forward: one per this many tokens (see forward)
         self._tokens = None               # token ids of the forward running now [tokens] (hash-routed layers)
+        fold_scales(cfg, dense)
         if cfg.norm_offset:   # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight): folded in once here
             for k in list(dense):
                 if k.endswith(("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")) or k == "model.norm.weight":

@@ -45,6 +45,8 @@ ARCHITECTURES = {
     "hy_v3": "hy_v3",
     "hunyuan_v1_moe": "hunyuan_v1_moe",
     "flex_olmo": "flex_olmo",
+    "granitemoe": "granitemoe",
+    "granitemoeshared": "granitemoeshared",
 }
 
 

@@ -191,6 +191,18 @@ ARCHS = {
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", dict(
         num_experts=16, num_experts_per_tok=2, attention_bias=True, norm_topk_prob=True, eos_token_id=None,
         pad_token_id=None)),
+    # Granite 3 MoE: Mixtral's experts under block_sparse_moe (saved fused as input_linear / output_linear), top-k ->
+    # softmax, q/k/v/o biases, Granite's embedding / attention / residual multipliers and logits scaling, tied
+    # embeddings (the head reads the scaled embedding).
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, attention_bias=True, embedding_multiplier=12.0,
+        attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=6.0, tie_word_embeddings=True,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # ... with a shared MLP (stored fused: shared_mlp.input_linear / output_linear), embeddings untied.
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, shared_intermediate_size=32, embedding_multiplier=12.0,
+        attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=6.0, tie_word_embeddings=False,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 

@@ -42,7 +42,8 @@ def test_missing_tensor_wrong_shape_truncated_file(hf_model, tmp_path):
     d = copy(hf_dir, str(tmp_path / "m"))
     f = only_file(d)
     w = load_file(f)
-    victim = [k for k in w if ".experts.3." in k or k.endswith(".experts.down_proj")][0]   # gpt-oss: fused per layer
+    # gpt-oss: fused per layer; Granite: fused, under its release's name
+    victim = [k for k in w if ".experts.3." in k or k.endswith((".experts.down_proj", ".output_linear.weight"))][0]
     save_file({k: v for k, v in w.items() if k != victim}, f)
     with pytest.raises(ValueError, match=f"tensor {victim!r} is missing"):
         convert(d, str(tmp_path / "s1"))
@@ -126,7 +127,8 @@ def test_quantized_experts_without_a_quantization_config_are_refused(hf_model, t
     d = copy(hf_dir, str(tmp_path / "m"))
     f = only_file(d)
     w = load_file(f)
-    save_file({k: (v.to(torch.float8_e4m3fn) if ".experts." in k else v) for k, v in w.items()}, f)
+    expert = (".experts.", ".block_sparse_moe.input_linear.", ".block_sparse_moe.output_linear.")   # (Granite's release)
+    save_file({k: (v.to(torch.float8_e4m3fn) if any(x in k for x in expert) else v) for k, v in w.items()}, f)
     with pytest.raises(ValueError, match="float8_e4m3fn.*quantization_config"):
         convert(d, str(tmp_path / "s"))
 
