@@ -90,6 +90,7 @@ class MoEConfig:
     max_position_embeddings: int = 4096
     sliding_window: int = 0            # > 0: layers in sliding_layers attend to the last sliding_window tokens only
     sliding_layers: list = field(default_factory=list)
+    nope_layers: list = field(default_factory=list)   # attention layers without RoPE (EXAONE's global layers)
     # gpt-oss: attention sinks (a learned per-head logit in every softmax), biases on q/k/v/o, a router
     # bias, expert biases and the clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), clamped at limit)
     attn_sinks: bool = False

@@ -47,6 +47,7 @@ ARCHITECTURES = {
     "flex_olmo": "flex_olmo",
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoeshared",
+    "exaone_moe": "exaone_moe",
 }
 
 

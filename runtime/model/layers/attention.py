@@ -30,6 +30,7 @@ class Attention(Sublayer):
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.windowed, self.window = i in cfg.window_layers, cfg.sliding_window
         self.rotary_dim = cfg.rotary_dim
+        self.no_rope = i in cfg.nope_layers          # no RoPE on this layer (positions only through the mask)
         nh, hd = self.nh, self.hd
         suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         if cfg.attn_output_gate:
@@ -60,7 +61,8 @@ class Attention(Sublayer):
         # partial RoPE, sinks, the output gate.
         self._attend = self._ring if self.windowed else self._paged
         self._qk = {"full": self._qk_full, "head": self._qk_head}.get(self.qk_norm, self._qk_plain)
-        self._rotate = self._rotate_partial if self.rotary_dim else self._rotate_full
+        self._rotate = (self._rotate_none if self.no_rope else
+                        self._rotate_partial if self.rotary_dim else self._rotate_full)
         if self.qk_norm == "head_post_rope":          # Hunyuan: the per-head norm after RoPE (they do not commute)
             rotate = self._rotate
             self._rotate = lambda qk, cos, sin: self.qk_w(rotate(qk, cos, sin))
@@ -134,6 +136,11 @@ class Attention(Sublayer):
                 **attention_extras(cfg, p)}
 
     # -- pieces ----------------------------------------------------------------------------------
+    @staticmethod
+    def _rotate_none(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A NoPE layer: q and k as they are."""
+        return qk
+
     def _rotate_full(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on q and k heads (cos and the signed sin broadcast over heads)."""
         return qk * cos + rotate_half_roll(qk) * sin
@@ -246,13 +253,14 @@ class Attention(Sublayer):
         write, read, pos = at or (ctx.write, ctx.read, ctx.pos)
         if (qk.stride(2) != 1 or qk.stride(1) != self.hd or v.stride(2) != 1 or v.stride(1) != self.hd
                 or not (K.is_contiguous() and V.is_contiguous() and cos.is_contiguous() and ssin.is_contiguous())
-                or cos.shape[-1] != rd or read.dtype != torch.int64):
+                or (cos.shape[-1] != rd and not self.no_rope) or read.dtype != torch.int64):
             return None if at is not None else self._decode_torch(qk, v, ctx, K, V)
         B, n = read.shape
         out = torch.empty(B, self.nh * self.hd)
         scratch = torch.empty(B * self.nh * n)
         rows = K.numel() // (self.nkv * self.hd)                         # K / V: [rows, kv, hd] as the kernel reads
-        lib.tm_gqa_decode(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(), ssin.data_ptr(), rd,
+        lib.tm_gqa_decode(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), None if self.no_rope else cos.data_ptr(),
+                          None if self.no_rope else ssin.data_ptr(), 0 if self.no_rope else rd,
                           K.data_ptr(), V.data_ptr(), rows, write.data_ptr(), read.data_ptr(), n,
                           pos.data_ptr(), B, self.nh, self.nkv, self.hd, self.hd ** -0.5,
                           None if self._sinks32 is None else self._sinks32.data_ptr(), out.data_ptr(),

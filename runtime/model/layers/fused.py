@@ -108,7 +108,7 @@ class GQAPart:
     def __init__(self, attn, L: LayerArgs, keep: list) -> None:
         self.attn = attn
         L.nh, L.nkv, L.hd = attn.nh, attn.nkv, attn.hd
-        L.rd = attn.rotary_dim or attn.hd
+        L.rd = 0 if attn.no_rope else attn.rotary_dim or attn.hd          # 0: no RoPE (the kernel passes no cos)
         L.qk_norm = QK_NORM_CODES[attn.qk_norm]
         L.scale = attn.hd ** -0.5
         if attn.qk_norm == "head":

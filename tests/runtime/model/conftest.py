@@ -203,6 +203,13 @@ ARCHS = {
         num_local_experts=16, num_experts_per_tok=2, shared_intermediate_size=32, embedding_multiplier=12.0,
         attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=6.0, tie_word_embeddings=False,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # EXAONE MoE: per-head q/k norm, a sliding window (shorter than the test's text) on layers 0-1 with RoPE and a
+    # global layer without (NoPE), DeepSeek-V3's router with the correction bias stored beside the gate, a shared
+    # expert, a dense first layer.
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_shared_experts=1, moe_intermediate_size=32,
+        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 
