@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoeshared",
     "exaone_moe": "exaone_moe",
+    "flint": "flint",
 }
 
 

@@ -111,7 +111,7 @@ class MoEBlock(Sublayer):
             out[p + cfg.mlp_prefix + "latent_up.weight"] = (H, cfg.latent_dim)
         if i in cfg.hash_layers:
             out[p + cfg.mlp_prefix + "gate.tid2eid"] = (cfg.vocab_size, cfg.top_k)
-        elif cfg.router in CORRECTION_BIAS:
+        elif cfg.router in CORRECTION_BIAS and cfg.correction_bias_tensor:    # "": a router without one (Flint)
             out[correction_bias_name(cfg, i)] = CORRECTION_BIAS[cfg.router](E)
         if cfg.shared_intermediate:
             out.update(DenseMLP.tensors(p + cfg.shared_prefix, cfg.shared_intermediate, H))

@@ -210,6 +210,12 @@ ARCHS = {
         num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_shared_experts=1, moe_intermediate_size=32,
         sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse", "sparse"], eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Flint: Qwen3 attention with sinks (saved as softmax_offset), RoPE only on the sliding layer (6 tokens) and none on
+    # the full ones, a sigmoid router without a correction bias, an ungated shared expert, a dense first layer.
+    "flint": ("FlintConfig", "FlintForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=16,
+        sliding_window=6, mlp_only_layers=[0], layer_types=["full_attention", "sliding_attention", "full_attention"],
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -276,7 +282,7 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
     M = getattr(transformers, model_cls)
     torch.manual_seed(seed)
     c = hf_config(name)
-    if name.startswith("gpt_oss"):
+    if name.startswith(("gpt_oss", "flint")):
         c._attn_implementation = "eager"   # transformers' sink-aware attention on CPU
     m = M(c).eval()
     # Random init is tiny; scale the weights so routing and logits are far from ties.
