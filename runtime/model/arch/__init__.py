@@ -49,6 +49,7 @@ ARCHITECTURES = {
     "granitemoeshared": "granitemoeshared",
     "exaone_moe": "exaone_moe",
     "flint": "flint",
+    "sarvam_mla": "sarvam_mla",           # DeepSeek-V3's model under its own config type
 }
 
 

@@ -216,6 +216,14 @@ ARCHS = {
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=16,
         sliding_window=6, mlp_only_layers=[0], layer_types=["full_attention", "sliding_attention", "full_attention"],
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Sarvam-105B: DeepSeek-V3's model (transformers runs its config through DeepseekV3ForCausalLM): MLA without q
+    # LoRA, YaRN, a shared expert, a dense first layer.
+    "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, num_key_value_heads=4, routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 

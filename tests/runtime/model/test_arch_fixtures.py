@@ -278,3 +278,19 @@ def test_an_unknown_qk_norm_is_refused_by_name():
     assert cfg.qk_norm == "head_post_rope"
     with pytest.raises(ValueError, match="qk_norm 'after_o' is not one of none, head, full, head_post_rope"):
         dataclasses.replace(cfg, qk_norm="after_o")
+
+
+def test_sarvam_mla_original_config_reads_as_transformers_translates_it():
+    """The release's remote-code fields (num_shared_experts, head_dim = kv_lora_rank + rope, deepseek_yarn) read
+    as the DeepSeek-V3 format transformers translates them to: the same MoEConfig."""
+    import transformers
+    d = json.loads(hf_config("sarvam_mla").to_json_string(use_diff=False))
+    want = MoEConfig.from_dict(d, source="c.json")
+    legacy = {k: v for k, v in d.items() if k not in ("n_shared_experts", "rope_parameters", "head_dim")}
+    rope = dict(d["rope_parameters"])
+    legacy.update(num_shared_experts=d["n_shared_experts"], head_dim=d["kv_lora_rank"] + d["qk_rope_head_dim"],
+                  q_head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
+                  rope_scaling={**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "deepseek_yarn"})
+    assert MoEConfig.from_dict(legacy, source="c.json") == want
+    hf = transformers.SarvamMLAConfig(**{k: v for k, v in legacy.items() if k != "model_type"})
+    assert hf.rope_parameters["rope_type"] == "yarn" and hf.n_shared_experts == d["n_shared_experts"]
