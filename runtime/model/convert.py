@@ -110,7 +110,7 @@ class Checkpoint:
                 if c in self.where:
                     self._style = i             # the naming this checkpoint uses: a missing tensor is named in it
                     return c
-            return names[getattr(self, "_style", 0)]
+            return names[min(getattr(self, "_style", 0), len(names) - 1)]   # (a name the release does not rename)
         if self.lm_prefix != "model." and name.startswith("model."):
             return self.lm_prefix + name[len("model."):]
         if name == "lm_head.weight":
@@ -450,8 +450,10 @@ def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: 
     from safetensors.torch import save_file
     embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     arch = module(cfg.model_type)
-    sliced = getattr(arch, "sliced", None)    # tensors an architecture stores as rows of one (Granite's shared MLP)
-    dense = {n: read_dense(ck, n, s, sq, embed.dtype) if sliced is None or sliced(n, cfg) is None else
+    # tensors an architecture stores as rows of one (Granite's shared MLP, Ling's query_key_value) where the
+    # checkpoint does not hold them apart
+    sliced = getattr(arch, "sliced", None)
+    dense = {n: read_dense(ck, n, s, sq, embed.dtype) if sliced is None or ck.has(n) or sliced(n, cfg) is None else
              read_rows(ck, n, s, sliced(n, cfg)) for n, s in dense_names(cfg).items()}
     if hasattr(arch, "convert_dense"):   # an architecture's reordering of stored weights (ERNIE 4.5's q/k rows)
         arch.convert_dense(cfg, dense)

@@ -50,6 +50,8 @@ ARCHITECTURES = {
     "exaone_moe": "exaone_moe",
     "flint": "flint",
     "sarvam_mla": "sarvam_mla",           # DeepSeek-V3's model under its own config type
+    "sarvam_moe": "ling_moe",             # GLM-4.5's model, released with Ling-style tensor names
+    "param2moe": "ling_moe",
 }
 
 

@@ -224,6 +224,17 @@ ARCHS = {
         v_head_dim=16, num_key_value_heads=4, routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # Sarvam-30B and Param2-MoE: GLM-4.5's model (run by Glm4MoeForCausalLM) with RoPE over the whole head, per-head
+    # q/k norm, saved under the release's Ling-style names (one query_key_value, attention.dense, word_embeddings,
+    # expert_bias); q/k/v biases on Sarvam, two shared experts and a tied head on Param2.
+    "sarvam_moe": ("SarvamMoEConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, head_dim=16, attention_bias=True, routed_scaling_factor=2.5, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None)),
+    "param2moe": ("Param2MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, head_dim=16, routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None)),
 }
 
 
