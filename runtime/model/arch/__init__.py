@@ -52,6 +52,8 @@ ARCHITECTURES = {
     "sarvam_mla": "sarvam_mla",           # DeepSeek-V3's model under its own config type
     "sarvam_moe": "ling_moe",             # GLM-4.5's model, released with Ling-style tensor names
     "param2moe": "ling_moe",
+    "qwen3_omni_moe": "qwen3_omni_moe",   # the omni release: its thinker's Qwen3-MoE language model
+    "qwen3_omni_moe_thinker": "qwen3_omni_moe",
 }
 
 
@@ -135,3 +137,16 @@ def renamed(name: str, pairs: tuple) -> list:
         if ours in name:
             return [name, name.replace(ours, theirs)]
     return [name]
+
+
+def text_rope(t: dict) -> dict:
+    """A multimodal release's MRoPE as the plain RoPE it is on text (every token's temporal, height and width
+    positions are the same, so which position each frequency takes - ``mrope_section`` - does not matter):
+    ``rope_scaling`` and ``rope_parameters`` merged, the MRoPE-only keys dropped."""
+    rope = {**(t.get("rope_scaling") or {}), **(t.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type")) == "mrope":   # Qwen2-VL-era configs name the default MRoPE so
+        rope["rope_type"] = "default"
+        rope.pop("type", None)
+    for k in ("mrope_section", "mrope_interleaved", "interleaved"):
+        rope.pop(k, None)
+    return rope

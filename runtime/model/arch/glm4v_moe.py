@@ -7,19 +7,14 @@ not read.
 Its MRoPE gives each frequency the temporal, height or width position; for text the three positions are the same,
 so it is the plain RoPE (``mrope_section`` only says which position each frequency takes). tiered-moe decodes
 text only."""
-from . import text_config
+from . import text_config, text_rope
 
 TEXT_TYPES = ("glm4v_moe_text",)
 
 
 def language_model(d: dict) -> dict:
     t = text_config(d, TEXT_TYPES)
-    rope = {**(t.get("rope_scaling") or {}), **(t.get("rope_parameters") or {})}
-    if rope.get("rope_type", rope.get("type")) == "mrope":
-        rope["rope_type"] = "default"
-        rope.pop("type", None)
-    for k in ("mrope_section", "mrope_interleaved"):         # which position each frequency takes: one for text
-        rope.pop(k, None)
+    rope = text_rope(t)
     rope.setdefault("partial_rotary_factor", t.get("partial_rotary_factor", 0.5))
     t = {k: v for k, v in t.items() if k not in ("rope_scaling", "use_qk_norm", "partial_rotary_factor")}
     return {**t, "rope_parameters": rope, "model_type": "glm4_moe", "use_qk_norm": False,

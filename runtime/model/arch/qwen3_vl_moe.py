@@ -9,19 +9,14 @@ Its interleaved MRoPE gives each frequency the temporal, height or width positio
 token's three positions are the same, so it is the plain RoPE over the head (``mrope_section`` only
 says which position each frequency takes). tiered-moe decodes text only. DeepStack's visual
 features, added to the first layers' hidden states, exist only with an image or video."""
-from . import text_config
+from . import text_config, text_rope
 
 TEXT_TYPES = ("qwen3_vl_moe_text",)
 
 
 def language_model(d: dict) -> dict:
     t = text_config(d, TEXT_TYPES)
-    rope = {**(t.get("rope_scaling") or {}), **(t.get("rope_parameters") or {})}
-    if rope.get("rope_type", rope.get("type")) == "mrope":   # Qwen2-VL-era configs name the default MRoPE so
-        rope["rope_type"] = "default"
-        rope.pop("type", None)
-    for k in ("mrope_section", "mrope_interleaved"):         # which position each frequency takes: one for text
-        rope.pop(k, None)
+    rope = text_rope(t)
     # transformers' Qwen3-VL text model has no sliding window (it sets sliding_window None) and ties the
     # head by the top-level flag (Qwen3VLMoeConfig's default: false), not text_config's.
     t = {k: v for k, v in t.items() if k not in ("rope_scaling", "sliding_window", "use_sliding_window")}

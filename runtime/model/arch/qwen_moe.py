@@ -26,4 +26,5 @@ def config(d: dict, common: dict, need) -> dict:
         return dict(**kw, qkv_bias=bool(d.get("qkv_bias", True)),
                     shared_intermediate=int(d.get("shared_expert_intermediate_size") or 0),
                     shared_expert_gate=bool(d.get("shared_expert_intermediate_size")))
-    return dict(**kw, qkv_bias=bool(d.get("attention_bias", False)), qk_norm="head")
+    bias = bool(d.get("attention_bias", False))         # Qwen3's: on q, k, v and o
+    return dict(**kw, qkv_bias=bias, o_bias=bias, qk_norm="head")

@@ -38,7 +38,7 @@ ARCHS = {
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
         use_sliding_window=True, sliding_window=7)),
     "qwen3_moe_yarn": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, attention_bias=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16})),
     # Attention sinks, alternating sliding / full layers, biases everywhere, router bias, clamped SwiGLU, YaRN.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
@@ -235,6 +235,18 @@ ARCHS = {
         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2, moe_intermediate_size=32,
         first_k_dense_replace=1, head_dim=16, routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None,
         pad_token_id=None)),
+    # Qwen3-Omni's thinker (as its model saves it): the Qwen3-MoE language model under text_config, q/k/v/o biases,
+    # interleaved MRoPE (plain RoPE on text), a dense (mlp_only) layer; audio and vision towers beside it.
+    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration", dict(
+        text_config=dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
+                         mlp_only_layers=[1], attention_bias=True, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2],
+                                          "mrope_interleaved": True, "interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+                           temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0]),
+        audio_config=dict(encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=48, d_model=32, output_dim=64,
+                          num_mel_bins=16, downsample_hidden_size=8))),
 }
 
 
@@ -304,6 +316,10 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
     if name.startswith(("gpt_oss", "flint")):
         c._attn_implementation = "eager"   # transformers' sink-aware attention on CPU
     m = M(c).eval()
+    if name == "qwen3_omni_moe_thinker":
+        # the release's thinker_config carries vision_start_token_id, which transformers' thinker generate reads but
+        # its config class does not define (so not a fixture field): the released value, outside the test vocab
+        m.config.vision_start_token_id = 151652
     # Random init is tiny; scale the weights so routing and logits are far from ties.
     with torch.no_grad():
         for n, p in m.named_parameters():

@@ -215,6 +215,27 @@ def test_kimi_k25_released_layout(tmp_path):
     assert "lm_head.weight" in load_file(str(tmp_path / "s" / "dense.safetensors"))
 
 
+def test_qwen3_omni_released_layout(tmp_path):
+    """Qwen3-Omni as released: the thinker's config under thinker_config and its tensors under thinker.model. /
+    thinker.lm_head (talker and code-to-wave beside them, not read) - the same store as the thinker's own layout."""
+    hf = str(tmp_path / "hf")
+    build_hf("qwen3_omni_moe_thinker", hf)
+    convert(hf, str(tmp_path / "thinker"))
+    rel = tmp_path / "rel"
+    rel.mkdir()
+    d = json.load(open(os.path.join(hf, "config.json")))
+    json.dump({"model_type": "qwen3_omni_moe", "thinker_config": d, "talker_config": {"model_type": "talker"},
+               "enable_audio_output": True}, open(rel / "config.json", "w"))
+    w = load_file(os.path.join(hf, "model.safetensors"))
+    save_file({**{"thinker." + k: v for k, v in w.items()}, "talker.model.norm.weight": torch.ones(4)},
+              str(rel / "model.safetensors"))
+    rep = convert(str(rel), str(tmp_path / "s"))
+    assert "talker.model.norm.weight" in rep.unread
+    a, b = load_file(str(tmp_path / "thinker" / "dense.safetensors")), load_file(str(tmp_path / "s" / "dense.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert MoEConfig.from_hf(str(tmp_path / "s")).lm_prefix == "thinker.model."
+
+
 # -- unsupported options, by name -----------------------------------------------------------------
 
 def _lm(d):
@@ -245,6 +266,8 @@ BAD = [
     ("qwen3_vl_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_type 'dynamic'"),
     ("glm4v_moe", {"model_type": "glm4_moe"}, "glm4v_moe text_config model_type 'glm4_moe' is not supported"),
+    ("qwen3_omni_moe_thinker", {"model_type": "qwen3_moe"},
+     "qwen3_omni_moe_thinker text_config model_type 'qwen3_moe' is not supported"),
     ("minicpm5_moe", {"use_gated_attention": False}, "without gated attention"),
     ("minicpm5_moe", {"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types must give"),
     ("hy_v3", {"mlp_bias": True}, "mlp_bias is not supported for hy_v3"),

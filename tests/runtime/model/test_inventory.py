@@ -46,10 +46,11 @@ def test_supported_rows_are_the_registry():
     assert supported == set(ARCHITECTURES), (sorted(supported ^ set(ARCHITECTURES)))
     for t, s in table.items():
         assert (s.startswith("supported (") and s.endswith(")")) or (s.startswith("not yet: ") and len(s) > 12), (t, s)
-    # each supported type has a fixture of its own config class checked against transformers (or is read through
-    # one: a multimodal release's text config, Qwen3.5's two names)
+    # each supported type has a fixture of its own config class checked against transformers, or is a release read
+    # through one: Qwen3.5's multimodal name (its text config's fixture), Qwen3-Omni's (its thinker's, and
+    # test_arch_fixtures' released-layout test)
     fixture_types = {getattr(transformers, c).model_type for c, _, _ in ARCHS.values()}
-    assert supported - fixture_types <= {"qwen3_5_moe"}, sorted(supported - fixture_types)
+    assert supported - fixture_types <= {"qwen3_5_moe", "qwen3_omni_moe"}, sorted(supported - fixture_types)
 
 
 @pytest.mark.skipif(not transformers.__version__.startswith(INVENTORY_VERSION),
