@@ -54,6 +54,8 @@ ARCHITECTURES = {
     "param2moe": "ling_moe",
     "qwen3_omni_moe": "qwen3_omni_moe",   # the omni release: its thinker's Qwen3-MoE language model
     "qwen3_omni_moe_thinker": "qwen3_omni_moe",
+    "deepseek_ocr2": "deepseek_ocr2",     # the released layout: its language model (text_config)
+    "deepseek_ocr2_text": "deepseek_ocr2",
 }
 
 

@@ -247,6 +247,19 @@ ARCHS = {
                            temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0]),
         audio_config=dict(encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=48, d_model=32, output_dim=64,
                           num_mel_bins=16, downsample_hidden_size=8))),
+    # DeepSeek-OCR 2: Llama attention with DeepSeek-V2's MoE (softmax, group_limited_greedy, scaled, not renormalised),
+    # two shared experts, a dense first layer; SAM and Qwen2 vision encoders beside it.
+    "deepseek_ocr2": ("DeepseekOcr2Config", "DeepseekOcr2ForConditionalGeneration", dict(
+        text_config=dict(n_routed_experts=16, num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2, n_shared_experts=2, moe_intermediate_size=32, routed_scaling_factor=2.5,
+                         mlp_layer_types=["dense", "sparse", "sparse"], eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None),
+        vision_config=dict(
+            sam_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16,
+                            output_channels=16, downsample_channels=[16, 32], global_attn_indexes=[1], window_size=2,
+                            mlp_dim=64),
+            encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, vocab_size=16)))),
 }
 
 

@@ -36,10 +36,11 @@ FUSED = {"mixtral": ALL, "qwen2_moe": ALL, "qwen3_moe": ALL, "olmoe": ALL, "glm4
          "qwen3_5_moe_text": ALL, "solar_open": ALL, "minicpm5_moe": ALL, "glm4v_moe": ALL,
          "hy_v3": ALL, "granitemoe": ALL, "granitemoeshared": ALL,
          "exaone_moe": ALL, "flint": ALL, "sarvam_mla": ALL,
-         "sarvam_moe": ALL, "param2moe": ALL, "qwen3_omni_moe_thinker": ALL}
+         "sarvam_moe": ALL, "param2moe": ALL, "qwen3_omni_moe_thinker": ALL,
+         "deepseek_ocr2": ALL}
 SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe", "solar_open", "minicpm5_moe", "glm4v_moe", "hy_v3",
         "granitemoe", "granitemoeshared", "exaone_moe", "flint", "sarvam_mla",
-        "sarvam_moe", "param2moe", "qwen3_omni_moe_thinker"}
+        "sarvam_moe", "param2moe", "qwen3_omni_moe_thinker", "deepseek_ocr2"}
 
 
 @pytest.fixture(scope="module", params=[a if a not in SLOW else pytest.param(a, marks=pytest.mark.slow) for a in FUSED])

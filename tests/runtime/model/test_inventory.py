@@ -48,9 +48,10 @@ def test_supported_rows_are_the_registry():
         assert (s.startswith("supported (") and s.endswith(")")) or (s.startswith("not yet: ") and len(s) > 12), (t, s)
     # each supported type has a fixture of its own config class checked against transformers, or is a release read
     # through one: Qwen3.5's multimodal name (its text config's fixture), Qwen3-Omni's (its thinker's, and
-    # test_arch_fixtures' released-layout test)
+    # test_arch_fixtures' released-layout test), DeepSeek-OCR 2's text config (the release's fixture)
     fixture_types = {getattr(transformers, c).model_type for c, _, _ in ARCHS.values()}
-    assert supported - fixture_types <= {"qwen3_5_moe", "qwen3_omni_moe"}, sorted(supported - fixture_types)
+    assert supported - fixture_types <= {"qwen3_5_moe", "qwen3_omni_moe", "deepseek_ocr2_text"}, \
+        sorted(supported - fixture_types)
 
 
 @pytest.mark.skipif(not transformers.__version__.startswith(INVENTORY_VERSION),
