@@ -56,6 +56,7 @@ ARCHITECTURES = {
     "qwen3_omni_moe_thinker": "qwen3_omni_moe",
     "deepseek_ocr2": "deepseek_ocr2",     # the released layout: its language model (text_config)
     "deepseek_ocr2_text": "deepseek_ocr2",
+    "granitemoe_swa": "granitemoe_swa",
 }
 
 

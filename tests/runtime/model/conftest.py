@@ -260,6 +260,13 @@ ARCHS = {
                             mlp_dim=64),
             encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=1, vocab_size=16)))),
+    # Granite MoE SWA: granitemoeshared with a sliding window (6 tokens) on layers 1-2, sinks (randomised: zero at
+    # init) on every layer, and a RoPE theta per layer - 0 (NoPE) on the full layer.
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, shared_intermediate_size=32, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], layer_rope_theta=[0, 10000.0, 10000.0],
+        embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=6.0,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -326,7 +333,7 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
     M = getattr(transformers, model_cls)
     torch.manual_seed(seed)
     c = hf_config(name)
-    if name.startswith(("gpt_oss", "flint")):
+    if name.startswith(("gpt_oss", "flint", "granitemoe_swa")):
         c._attn_implementation = "eager"   # transformers' sink-aware attention on CPU
     m = M(c).eval()
     if name == "qwen3_omni_moe_thinker":
@@ -344,6 +351,9 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
         for n, p in m.named_parameters():   # ERNIE's is a parameter, on the scale of softmax probabilities
             if n.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn(p.shape) * 0.05)
+        for n, p in m.named_parameters():   # Granite SWA's sinks start at zero: make them matter
+            if name == "granitemoe_swa" and n.endswith(".sinks"):
+                p.copy_(torch.randn(p.shape))
         for n, b in m.named_buffers():   # DeepSeek-V4's token -> experts table: distinct experts per token, as shipped
             if n.endswith("tid2eid"):
                 b.copy_(torch.stack([torch.randperm(c.n_routed_experts)[:b.shape[1]] for _ in range(b.shape[0])]))
