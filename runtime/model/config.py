@@ -86,6 +86,9 @@ class MoEConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # Llama 4's position-dependent query scale (Mistral 4's MLA): q x (1 + q_scale_beta ln(1 + floor(pos / q_scale_len)))
+    q_scale_beta: float = 0.0
+    q_scale_len: int = 0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int = 0            # > 0: layers in sliding_layers attend to the last sliding_window tokens only

@@ -57,6 +57,7 @@ ARCHITECTURES = {
     "deepseek_ocr2": "deepseek_ocr2",     # the released layout: its language model (text_config)
     "deepseek_ocr2_text": "deepseek_ocr2",
     "granitemoe_swa": "granitemoe_swa",
+    "mistral4": "mistral4",
 }
 
 

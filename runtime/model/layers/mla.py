@@ -57,11 +57,12 @@ class MLAttention(Sublayer):
         # Kimi-Linear: no positional rotation in MLA at all; DeepSeek: interleaved rotary pairs.
         self.rotation = "none" if not m.rope else "interleaved" if m.rope_interleave else "half"
         self.rot = {"none": _no_rotation, "interleaved": rope_interleaved, "half": _rotate}[self.rotation]
+        self.q_scale = (cfg.q_scale_beta, cfg.q_scale_len) if cfg.q_scale_beta else None
 
     def fused_refusal(self) -> "str | None":
         """The fused CPU decode (layers/fused.py MLAPart) takes every MLA layer: q through q_lora or one
-        projection, each rotation (none, rotate-half, interleaved)."""
-        return None
+        projection, each rotation (none, rotate-half, interleaved) - but Llama 4's position-dependent q scale."""
+        return "a position-dependent q scale (Llama 4's)" if self.q_scale is not None else None
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
@@ -119,6 +120,8 @@ class MLAttention(Sublayer):
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         nh, nope, rope, vd, lat = self.nh, self.nope, self.rope, self.vd, self.lat
         q = self._q(x).view(-1, nh, nope + rope)                         # q: [tokens, heads, nope+rope]
+        if self.q_scale is not None:
+            q = q * position_scale(ctx, *self.q_scale).to(q.device, q.dtype)[:, None, None]
         ckv = self.kv_a(x)                                               # ckv: [tokens, lat+rope]
         latent = self.kv_a_norm(ckv[:, :lat])
         k_rot = ckv[:, lat:]
@@ -163,3 +166,11 @@ class MLAttention(Sublayer):
         lctx = torch.einsum("bhn,bnl->bhl", p, cache[..., :lat])                      # [B, heads, lat]
         out = torch.einsum("bhl,hvl->bhv", lctx, wkv[:, nope:])                       # [B, heads, v]
         return self.o(out.reshape(B, nh * vd))
+
+
+def position_scale(ctx: ForwardContext, beta: float, length: int) -> torch.Tensor:
+    """Llama 4's query scale of each token of the forward, 1 + beta ln(1 + floor(pos / length)) -> [tokens] float64
+    (1 below ``length`` positions)."""
+    pos = ctx.pos.cpu() if ctx.decode else torch.cat([torch.arange(s.length, s.length + b - a)
+                                                      for s, (a, b) in zip(ctx.seqs, ctx.spans)])
+    return 1 + beta * torch.log1p(torch.floor(pos.double() / length))

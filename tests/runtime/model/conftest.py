@@ -267,6 +267,15 @@ ARCHS = {
         layer_types=["full_attention", "sliding_attention", "sliding_attention"], layer_rope_theta=[0, 10000.0, 10000.0],
         embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=6.0,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Mistral 4: DeepSeek-V3's MLA (q LoRA, interleaved RoPE, YaRN) with Llama 4's position-dependent q scale (from
+    # position 16 on, inside the test's text), a softmax router with renormalisation, a shared expert, a dense layer.
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+        q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
+        routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "llama_4_scaling_beta": 0.1, "partial_rotary_factor": 0.5})),
 }
 
 

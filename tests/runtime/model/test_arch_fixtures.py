@@ -273,6 +273,8 @@ BAD = [
     ("hy_v3", {"mlp_bias": True}, "mlp_bias is not supported for hy_v3"),
     ("hunyuan_v1_moe", {"use_cla": True}, "use_cla .cross-layer attention. is not supported"),
     ("flex_olmo", {"clip_qkv": 8.0}, "clip_qkv is not supported yet"),
+    ("mistral4", {"n_group": 2, "topk_group": 1}, "mistral4 with n_group 2 is not supported"),
+    ("mistral4", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "mistral4 with RoPE 'default'"),
     ("granitemoe_swa", {"layer_rope_theta": [1e4, 5e5, 0]}, r"several non-zero thetas \[10000.0, 500000.0\]"),
     ("granitemoe_swa", {"layer_rope_theta": [1e4, 0]}, "layer_rope_theta has 2 entries for 3 layers"),
     ("hunyuan_v1_moe", {"moe_topk": [2, 1, 2]}, r"moe_topk differs between layers \(\[2, 1, 2\]\)"),
