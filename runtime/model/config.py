@@ -67,8 +67,9 @@ class MoEConfig:
     rotary_dim: int = 0
     attn_output_gate: bool = False
     norm_offset: float = 0.0
-    # pre: x += attn(norm(x)), x += ffn(norm(x)) (every family but one); post (OLMo-2, FlexOlmo): x += norm(attn(x)),
-    # x += norm(ffn(x)) - the norms after the sublayers (post_attention_layernorm, post_feedforward_layernorm)
+    # pre: x += attn(norm(x)), x += ffn(norm(x)) (most families); post (OLMo-2, FlexOlmo): x += norm(attn(x)),
+    # x += norm(ffn(x)) - the norms after the sublayers (post_attention_layernorm, post_feedforward_layernorm);
+    # sandwich (Kolibri): both, x += norm'(attn(norm(x))), x += norm'(ffn(norm(x)))
     norm_placement: str = "pre"
     # Granite's scalars (folded into the weights at load, moe.fold_scales): the embeddings x embedding_multiplier,
     # each sublayer's output x residual_multiplier before the residual add, the attention scale
@@ -136,9 +137,9 @@ class MoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{src}: {name} must be a positive integer, got {v!r}")
-        if self.norm_placement not in ("pre", "post"):
-            raise ValueError(f"{src}: norm_placement {self.norm_placement!r} is not pre or post")
-        if self.norm_placement == "post" and (self.hc_mult or self.attn_res_block_layers):
+        if self.norm_placement not in ("pre", "post", "sandwich"):
+            raise ValueError(f"{src}: norm_placement {self.norm_placement!r} is not pre, post or sandwich")
+        if self.norm_placement != "pre" and (self.hc_mult or self.attn_res_block_layers):
             raise ValueError(f"{src}: norms after the sublayers with hyper-connections or attention residuals")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"{src}: qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
@@ -215,9 +216,12 @@ class MoEConfig:
 
     @property
     def layer_norm_names(self) -> tuple:
-        """A layer's two RMSNorm weights (the attention sublayer's, the FFN's), under model.layers.N."""
-        return (("input_layernorm.weight", "post_attention_layernorm.weight") if self.norm_placement == "pre" else
-                ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))
+        """A layer's RMSNorm weights under model.layers.N: the attention sublayer's and the FFN's, then with sandwich
+        norms those after each sublayer."""
+        return {"pre": ("input_layernorm.weight", "post_attention_layernorm.weight"),
+                "post": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"),
+                "sandwich": ("input_layernorm.weight", "post_attention_layernorm.weight",
+                             "post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")}[self.norm_placement]
 
     @property
     def expert_in(self) -> int:

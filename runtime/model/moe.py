@@ -154,9 +154,10 @@ class MoEModel:
             else (None, None)
         hc = (HyperConnection(cfg, w, pre + "attn_hc."), HyperConnection(cfg, w, pre + "ffn_hc.")) if cfg.hc_mult \
             else (None, None)
-        eps, (an, fn) = cfg.rms_norm_eps, cfg.layer_norm_names
-        return DecoderLayer(i, attn, ffn, RMSNorm(take(w, pre + an), eps), RMSNorm(take(w, pre + fn), eps), *q, *hc,
-                            norm_after=cfg.norm_placement == "post")
+        eps = cfg.rms_norm_eps
+        an, fn, *out = [RMSNorm(take(w, pre + n), eps) for n in cfg.layer_norm_names]
+        return DecoderLayer(i, attn, ffn, an, fn, *q, *hc, norm_after=cfg.norm_placement == "post",
+                            out_norms=tuple(out) or None)
 
     def _pick_layer_backends(self, tp, device) -> None:
         """Each layer's backend on the plain residual stream, once: the fused CPU decode (two kernel calls per

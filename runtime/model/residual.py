@@ -43,10 +43,13 @@ class DecoderLayer:
     ffn_hc: "HyperConnection | None" = None
     forward: object = field(default=None, repr=False)   # the backend on the plain stream: composed or fused
     norm_after: bool = False   # OLMo-2 / FlexOlmo: input_norm / post_norm follow the attention / FFN instead
+    out_norms: "tuple | None" = None   # sandwich norms (Kolibri): the norms after the attention and the FFN too
 
     def __post_init__(self) -> None:
         if self.norm_after:                  # the layer's composed ops, wherever they are asked for, are these
             self.composed = self.composed_post
+        elif self.out_norms is not None:
+            self.composed = self.composed_sandwich
         if self.forward is None:
             self.forward = self.composed
 
@@ -54,6 +57,12 @@ class DecoderLayer:
         """The plain residual stream through this layer's sublayers. x: [tokens, hidden]."""
         x = x + self.attn(self.input_norm(x), ctx)
         return x + self.ffn(self.post_norm(x), ctx)
+
+    def composed_sandwich(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """... with norms before and after each sublayer: x += norm'(attn(norm(x))); x += norm'(ffn(norm(x)))."""
+        a, f = self.out_norms
+        x = x + a(self.attn(self.input_norm(x), ctx))
+        return x + f(self.ffn(self.post_norm(x), ctx))
 
     def composed_post(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """... with the norms after the sublayers: x += norm(attn(x)); x += norm(ffn(x))."""

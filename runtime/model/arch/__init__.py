@@ -58,6 +58,7 @@ ARCHITECTURES = {
     "deepseek_ocr2_text": "deepseek_ocr2",
     "granitemoe_swa": "granitemoe_swa",
     "mistral4": "mistral4",
+    "kolibri1": "kolibri1",
 }
 
 

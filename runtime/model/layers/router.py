@@ -88,6 +88,15 @@ def sqrtsoftplus(lf, cfg, bias, bonus):
     return ids, w / (w.sum(-1, keepdim=True) + 1e-20)
 
 
+def logit_bias(lf, cfg, bias, bonus):
+    """Kolibri: top-k of the logits + correction bias (the bias on the logits' scale, not the scores'); weights the
+    chosen logits' sigmoid, renormalised with norm_topk_prob."""
+    sel = lf + (bias.float() if bias is not None else 0.0) + (bonus if bonus is not None else 0.0)
+    ids = sel.topk(cfg.top_k, dim=-1).indices
+    w = lf.gather(1, ids).sigmoid()
+    return ids, (w / w.sum(-1, keepdim=True) if cfg.norm_topk_prob else w)
+
+
 def hash_weights(logits: torch.Tensor, ids: torch.Tensor, cfg) -> torch.Tensor:
     """DeepSeek-V4's hash-routed layers: the experts come from the token's row of the table (``ids``
     [tokens, k]); their weights are sqrtsoftplus's, renormalised and scaled. -> [tokens, k] float32."""
@@ -98,12 +107,13 @@ def hash_weights(logits: torch.Tensor, ids: torch.Tensor, cfg) -> torch.Tensor:
 
 # The registry: a router is one function here (MoEConfig.router names it; a MoE block picks it once).
 ROUTERS = {f.__name__: f for f in (softmax_topk, topk_softmax, sigmoid_group, softmax_group, softmax_bias,
-                                   sqrtsoftplus)}
+                                   sqrtsoftplus, logit_bias)}
 
 
 # Routers that choose with a selection-only correction bias -> the shape the checkpoint stores it in, from the
 # number of experts (ERNIE 4.5: [1, E], one group of experts).
-CORRECTION_BIAS = {"sigmoid_group": lambda E: (E,), "sqrtsoftplus": lambda E: (E,), "softmax_bias": lambda E: (1, E)}
+CORRECTION_BIAS = {"sigmoid_group": lambda E: (E,), "sqrtsoftplus": lambda E: (E,), "softmax_bias": lambda E: (1, E),
+                   "logit_bias": lambda E: (E,)}
 
 
 def route(logits: torch.Tensor, cfg: "MoEConfig", bias: "torch.Tensor | None" = None,

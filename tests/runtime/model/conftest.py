@@ -276,6 +276,12 @@ ARCHS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "llama_4_scaling_beta": 0.1, "partial_rotary_factor": 0.5})),
+    # Kolibri 1: sandwich norms, per-head q/k norm, a sliding window (6 tokens) with RoPE on layers 0-1 and a NoPE global
+    # layer, a router choosing on logits + bias with sigmoid weights, an ungated shared expert.
+    "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=16,
+        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"], norm_topk_prob=True,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 

@@ -215,6 +215,25 @@ def test_kimi_k25_released_layout(tmp_path):
     assert "lm_head.weight" in load_file(str(tmp_path / "s" / "dense.safetensors"))
 
 
+def test_kolibri_router_equals_transformers():
+    """Kolibri's router - top-k of the logits + correction bias, the chosen logits' sigmoid, renormalised - against
+    transformers' own on the same logits and bias."""
+    import transformers
+    torch.manual_seed(0)
+    c = hf_config("kolibri1")
+    r = transformers.models.kolibri1.modeling_kolibri1.Kolibri1TopKRouter(c)
+    with torch.no_grad():
+        r.weight.normal_()
+        r.e_score_correction_bias.normal_()
+    x = torch.randn(11, c.hidden_size)
+    _, w_ref, ids_ref = r(x)
+    cfg = MoEConfig.from_dict(json.loads(c.to_json_string(use_diff=False)), source="c.json")
+    ids, w = route(F.linear(x, r.weight), cfg, r.e_score_correction_bias)
+    order, order_ref = ids.sort(-1), ids_ref.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    assert torch.allclose(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices), atol=1e-6)
+
+
 def test_qwen3_omni_released_layout(tmp_path):
     """Qwen3-Omni as released: the thinker's config under thinker_config and its tensors under thinker.model. /
     thinker.lm_head (talker and code-to-wave beside them, not read) - the same store as the thinker's own layout."""
