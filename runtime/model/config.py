@@ -95,6 +95,7 @@ class MoEConfig:
     sliding_window: int = 0            # > 0: layers in sliding_layers attend to the last sliding_window tokens only
     sliding_layers: list = field(default_factory=list)
     nope_layers: list = field(default_factory=list)   # attention layers without RoPE (EXAONE's global layers)
+    sliding_rope_theta: float = 0.0    # > 0: the sliding-window layers' own RoPE base (Mellum; default RoPE), 0: rope_theta
     # gpt-oss: attention sinks (a learned per-head logit in every softmax), biases on q/k/v/o, a router
     # bias, expert biases and the clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), clamped at limit)
     attn_sinks: bool = False

@@ -11,6 +11,8 @@ from the config: runtime/model/layers/) plus the embedding and the head; ``forwa
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import kernels
@@ -18,7 +20,7 @@ from ..kernels.cores import free_cores
 from .config import MoEConfig
 from .layers.cache import KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, kv_block_size
 from .layers.kinds import attention_kind, cache_specs, kv_bytes_per_token, state_bytes_per_sequence
-from .layers.context import NO_HOOKS, ForwardContext, StepHooks, build_context
+from .layers.context import NO_HOOKS, ForwardContext, StepHooks, build_context, rope_heads_of
 from .hyper import HyperConnection
 from .layers.mlp import DenseMLP
 from .layers.experts import ExpertExecutor
@@ -117,6 +119,9 @@ class MoEModel:
         w = DenseTensors(dense, device, dtype, dense_quant, host_act_quant)
         dense.clear()
         self.rope = RotaryEmbedding(cfg, device, dtype)
+        # a RoPE per layer type (Mellum): the sliding-window layers' own, default RoPE of their theta
+        self.window_rope = RotaryEmbedding(dataclasses.replace(cfg, rope_theta=cfg.sliding_rope_theta, rope_scaling={}),
+                                           device, dtype) if cfg.sliding_rope_theta else None
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         self.executor = ExpertExecutor(cfg, experts, dtype, device, host_act_quant)
         self.kv = None            # PagedKV, made by init_kv (the engine sizes it; KVManager.for_model otherwise)
@@ -301,6 +306,8 @@ class MoEModel:
                              "KVManager.for_model)")
         self.kv.check(seqs, chunks)           # the blocks are the engine's KVManager's to give: none are taken here
         ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=self.gqa, device=self.device, hooks=hooks)
+        if self.window_rope is not None:
+            ctx.window_rope_heads = rope_heads_of(ctx, self.window_rope, self.device)
         ids = torch.tensor(flat, device=self.device)
         ctx.tokens = self._tokens = ids
         res = self.residual

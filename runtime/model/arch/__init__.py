@@ -59,6 +59,7 @@ ARCHITECTURES = {
     "granitemoe_swa": "granitemoe_swa",
     "mistral4": "mistral4",
     "kolibri1": "kolibri1",
+    "mellum": "mellum",
 }
 
 

@@ -31,6 +31,9 @@ class Attention(Sublayer):
         self.windowed, self.window = i in cfg.window_layers, cfg.sliding_window
         self.rotary_dim = cfg.rotary_dim
         self.no_rope = i in cfg.nope_layers          # no RoPE on this layer (positions only through the mask)
+        # a sliding-window layer of a model with a RoPE per layer type (Mellum) reads the window layers' tables
+        self.own_rope = self.windowed and bool(cfg.sliding_rope_theta)
+        self._heads = (lambda ctx: ctx.window_rope_heads) if self.own_rope else (lambda ctx: ctx.rope_heads)
         nh, hd = self.nh, self.hd
         suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         if cfg.attn_output_gate:
@@ -78,8 +81,8 @@ class Attention(Sublayer):
 
     def fused_refusal(self) -> "str | None":
         """The fused CPU decode (layers/fused.py) takes paged or window-ring attention with full or partial
-        RoPE, sinks or none (gpt-oss), the output gate or none (Qwen3-Next)."""
-        return None
+        RoPE, sinks or none (gpt-oss), the output gate or none (Qwen3-Next) - on the step's one RoPE table."""
+        return "a RoPE of its own (the sliding layers' theta)" if self.own_rope else None
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
@@ -217,7 +220,7 @@ class Attention(Sublayer):
             return self._decode(qk, v, ctx, K, V)
         dev = qk.device
         out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=dev)
-        for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(ctx.seqs, ctx.spans, ctx.prefill, ctx.rope_heads):
+        for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(ctx.seqs, ctx.spans, ctx.prefill, self._heads(ctx)):
             p0, n_new = s.length, b - a
             qks = self._rotate(qk[a:b], cos, sin)                        # qks: [new, heads + kv, hd]
             K[w_idx] = qks[:, nh:]                                       # ks: [new, kv, hd]
@@ -234,7 +237,7 @@ class Attention(Sublayer):
         """One token per sequence: one write and one batched product for all of them. qk: [B, heads + kv,
         hd] before RoPE; v: [B, kv, hd]; K, V: the layer's cache [token slots, kv, hd]. -> [B, heads * hd]."""
         nh, B = self.nh, len(ctx.seqs)
-        cos, sin = ctx.rope_heads                                        # [B, 1, rotary dim]
+        cos, sin = self._heads(ctx)                                      # [B, 1, rotary dim]
         qk = self._rotate(qk, cos, sin)
         K[ctx.write] = qk[:, nh:]                                        # k: [B, kv, hd]
         V[ctx.write] = v
@@ -248,7 +251,7 @@ class Attention(Sublayer):
         a window ring's (ring_addressing) for a sliding-window layer. The torch path where this step's
         tensors are laid out otherwise than the kernel reads them."""
         lib = kernels.lib()
-        cos, ssin = ctx.rope_heads
+        cos, ssin = self._heads(ctx)
         rd = self.rotary_dim or self.hd
         write, read, pos = at or (ctx.write, ctx.read, ctx.pos)
         if (qk.stride(2) != 1 or qk.stride(1) != self.hd or v.stride(2) != 1 or v.stride(1) != self.hd
@@ -282,7 +285,7 @@ class Attention(Sublayer):
         if ctx.decode:
             B = len(ctx.seqs)
             slots = ctx.state
-            cos, sin = ctx.rope_heads
+            cos, sin = self._heads(ctx)
             qk = self._rotate(qk, cos, sin)
             at = ctx.pos % W
             RK[slots, at] = qk[:, nh:]
@@ -290,7 +293,7 @@ class Attention(Sublayer):
             kk, vv = RK[slots].transpose(1, 2), RV[slots].transpose(1, 2)   # [B, kv, W, hd]
             return self._sdpa(qk[:, :nh, None], kk, vv, ring_mask(ctx, W)).reshape(B, nh * hd)
         out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=qk.device)
-        for s, (a, b), (cos, sin) in zip(ctx.seqs, ctx.spans, ctx.rope_heads):
+        for s, (a, b), (cos, sin) in zip(ctx.seqs, ctx.spans, self._heads(ctx)):
             p0, n = s.length, b - a
             qks = self._rotate(qk[a:b], cos, sin)                        # qks: [n, heads + kv, hd]
             ring = torch.arange(W, device=qk.device)

@@ -47,6 +47,8 @@ class ForwardContext:
     prefill: "list | None" = None    # per sequence: (write slots of the new tokens, read slots of its context)
     state: "torch.Tensor | None" = None   # decode: each sequence's state slot [B]
     fresh: "torch.Tensor | None" = None   # decode: slots of sequences on their first token (start from zeros)
+    # rope_heads of the sliding-window layers' own RoPE (a model with a RoPE per layer type: Mellum), else None
+    window_rope_heads: "tuple | list | None" = None
     masks: dict = field(default_factory=dict)   # masks made once per forward, shared by the layers that use them
     tokens: "torch.Tensor | None" = None  # token ids of the forward [tokens] (DeepSeek-V4's hash-routed layers)
 
@@ -86,3 +88,19 @@ def build_context(seqs: list, chunks: list, kv: PagedKV, rope: RotaryEmbedding, 
     if rope_heads:
         ctx.rope_heads = [(c[:, None], signed_sin(s_)[:, None]) for c, s_ in ctx.rope]
     return ctx
+
+
+def rope_heads_of(ctx: ForwardContext, rope: RotaryEmbedding, device) -> "tuple | list":
+    """A second RoPE's tables in ``rope_heads``' form for this forward's positions (decode: [B, 1, rotary] each;
+    prefill: one pair per sequence)."""
+    if ctx.decode:
+        tables = rope.decode([s.length for s in ctx.seqs])
+        if tables is not None:
+            return tables[0][:, None], tables[2][:, None]
+        cos, sin = rope(ctx.pos)
+        return cos[:, None], signed_sin(sin)[:, None]
+    out = []
+    for s, (a, b) in zip(ctx.seqs, ctx.spans):
+        cos, sin = rope(torch.arange(s.length, s.length + b - a, device=device))
+        out.append((cos[:, None], signed_sin(sin)[:, None]))
+    return out

@@ -282,6 +282,15 @@ ARCHS = {
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=16,
         sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"], norm_topk_prob=True,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Mellum: Qwen3 attention with q/k/v/o biases, a sliding window (6 tokens) on layers 1-2 whose RoPE has a theta of
+    # its own (full: 5e5 with YaRN, sliding: 1e4), a dense first layer.
+    "mellum": ("MellumConfig", "MellumForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, attention_bias=True, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse", "sparse"],
+        rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 16},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }
 
 

@@ -22,8 +22,8 @@ from conftest import build_hf
 if kernels.lib() is None:
     pytest.skip(f"host kernels unavailable: {kernels.unavailable()}", allow_module_level=True)
 
-# architecture -> the layers that decode fused (the others: a kind the kernel does not take - ERNIE's router; its
-# dense layer 0 fuses).
+# architecture -> the layers that decode fused (the others: a kind the kernel does not take - ERNIE's router, its
+# dense layer 0 fuses; Mellum's sliding layers, whose RoPE is not the step's table).
 # gpt-oss's sliding-window rings and its sinks fuse; MLA through tm_mla_block (q through q_lora with interleaved
 # RoPE (V3), one q_proj with YaRN (V3 yarn), no RoPE (Kimi-Linear's full layer between its KDA layers)); Gated
 # DeltaNet and KDA through tm_gdn_block, Qwen3-Next's gated attention with partial RoPE through tm_attn_block; the
@@ -37,11 +37,11 @@ FUSED = {"mixtral": ALL, "qwen2_moe": ALL, "qwen3_moe": ALL, "olmoe": ALL, "glm4
          "hy_v3": ALL, "granitemoe": ALL, "granitemoeshared": ALL,
          "exaone_moe": ALL, "flint": ALL, "sarvam_mla": ALL,
          "sarvam_moe": ALL, "param2moe": ALL, "qwen3_omni_moe_thinker": ALL,
-         "deepseek_ocr2": ALL, "granitemoe_swa": ALL}
+         "deepseek_ocr2": ALL, "granitemoe_swa": ALL, "mellum": [0]}
 SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe", "solar_open", "minicpm5_moe", "glm4v_moe", "hy_v3",
         "granitemoe", "granitemoeshared", "exaone_moe", "flint", "sarvam_mla",
         "sarvam_moe", "param2moe", "qwen3_omni_moe_thinker", "deepseek_ocr2",
-        "granitemoe_swa"}
+        "granitemoe_swa", "mellum"}
 
 
 @pytest.fixture(scope="module", params=[a if a not in SLOW else pytest.param(a, marks=pytest.mark.slow) for a in FUSED])
