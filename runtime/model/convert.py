@@ -103,14 +103,18 @@ class Checkpoint:
         return h
 
     def stored(self, name: str) -> str:
-        """The checkpoint's name for one of ours (``model.layers.0...``)."""
+        """The checkpoint's name for one of ours (``model.layers.0...``): the architecture's release names (aliases)
+        first, each where the language model is stored (a multimodal release's prefix and head)."""
         if self.aliases is not None:
-            names = self.aliases(name)
+            names = [self._placed(n) for n in self.aliases(name)]
             for i, c in enumerate(names):
                 if c in self.where:
                     self._style = i             # the naming this checkpoint uses: a missing tensor is named in it
                     return c
             return names[min(getattr(self, "_style", 0), len(names) - 1)]   # (a name the release does not rename)
+        return self._placed(name)
+
+    def _placed(self, name: str) -> str:
         if self.lm_prefix != "model." and name.startswith("model."):
             return self.lm_prefix + name[len("model."):]
         if name == "lm_head.weight":

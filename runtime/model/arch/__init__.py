@@ -60,6 +60,8 @@ ARCHITECTURES = {
     "mistral4": "mistral4",
     "kolibri1": "kolibri1",
     "mellum": "mellum",
+    "aria_text": "aria",
+    "aria": "aria",                       # the multimodal release: its language model (text_config)
 }
 
 

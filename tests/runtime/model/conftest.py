@@ -291,6 +291,19 @@ ARCHS = {
                                             "original_max_position_embeddings": 16},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # Aria's language model: Llama attention, top-k -> softmax on every layer, experts saved fused and input-major
+    # under the release's fc1 / fc2, two shared experts.
+    "aria_text": ("AriaTextConfig", "AriaTextForCausalLM", dict(
+        moe_num_experts=16, moe_topk=2, moe_num_shared_experts=2, attention_bias=True, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None)),
+    # Aria as released: that language model under text_config and language_model.model. / language_model.lm_head, an
+    # Idefics3 vision tower and a projector beside it.
+    "aria": ("AriaConfig", "AriaForConditionalGeneration", dict(
+        text_config=dict(moe_num_experts=16, moe_topk=2, moe_num_shared_experts=2, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        projector_patch_to_query_dict={4: 8})),
 }
 
 

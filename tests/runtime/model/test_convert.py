@@ -42,8 +42,9 @@ def test_missing_tensor_wrong_shape_truncated_file(hf_model, tmp_path):
     d = copy(hf_dir, str(tmp_path / "m"))
     f = only_file(d)
     w = load_file(f)
-    # gpt-oss: fused per layer; Granite: fused, under its release's name
-    victim = [k for k in w if ".experts.3." in k or k.endswith((".experts.down_proj", ".output_linear.weight"))][0]
+    # gpt-oss: fused per layer; Granite, Aria: fused, under their releases' names
+    victim = [k for k in w if ".experts.3." in k or k.endswith((".experts.down_proj", ".output_linear.weight",
+                                                                   ".experts.fc2.weight"))][0]
     save_file({k: v for k, v in w.items() if k != victim}, f)
     with pytest.raises(ValueError, match=f"tensor {victim!r} is missing"):
         convert(d, str(tmp_path / "s1"))

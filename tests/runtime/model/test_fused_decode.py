@@ -37,11 +37,12 @@ FUSED = {"mixtral": ALL, "qwen2_moe": ALL, "qwen3_moe": ALL, "olmoe": ALL, "glm4
          "hy_v3": ALL, "granitemoe": ALL, "granitemoeshared": ALL,
          "exaone_moe": ALL, "flint": ALL, "sarvam_mla": ALL,
          "sarvam_moe": ALL, "param2moe": ALL, "qwen3_omni_moe_thinker": ALL,
-         "deepseek_ocr2": ALL, "granitemoe_swa": ALL, "mellum": [0]}
+         "deepseek_ocr2": ALL, "granitemoe_swa": ALL, "mellum": [0],
+         "aria_text": ALL, "aria": ALL}
 SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe", "solar_open", "minicpm5_moe", "glm4v_moe", "hy_v3",
         "granitemoe", "granitemoeshared", "exaone_moe", "flint", "sarvam_mla",
         "sarvam_moe", "param2moe", "qwen3_omni_moe_thinker", "deepseek_ocr2",
-        "granitemoe_swa", "mellum"}
+        "granitemoe_swa", "mellum", "aria_text", "aria"}
 
 
 @pytest.fixture(scope="module", params=[a if a not in SLOW else pytest.param(a, marks=pytest.mark.slow) for a in FUSED])
