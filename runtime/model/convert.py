@@ -457,8 +457,10 @@ def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: 
     # tensors an architecture stores as rows of one (Granite's shared MLP, Ling's query_key_value) where the
     # checkpoint does not hold them apart
     sliced = getattr(arch, "sliced", None)
-    dense = {n: read_dense(ck, n, s, sq, embed.dtype) if sliced is None or ck.has(n) or sliced(n, cfg) is None else
-             read_rows(ck, n, s, sliced(n, cfg)) for n, s in dense_names(cfg).items()}
+    dense = {}
+    for n, s in dense_names(cfg).items():
+        where = None if sliced is None or ck.has(n) else sliced(n, cfg)
+        dense[n] = read_dense(ck, n, s, sq, embed.dtype) if where is None else read_rows(ck, n, s, where)
     if hasattr(arch, "convert_dense"):   # an architecture's reordering of stored weights (ERNIE 4.5's q/k rows)
         arch.convert_dense(cfg, dense)
     path = os.path.join(out_dir, "dense.safetensors")

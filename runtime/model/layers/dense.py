@@ -60,6 +60,7 @@ class Linear:
             # past the GEMV's rows, bf16 activations with act_quant q8 (llama.cpp's default for BF16
             # weights; 2-2.5x a widened float32 product here), else the weight widened (exact)
             self.bf16_acts = act_quant == "q8"
+            self._wide = self._wide_bf16 if self.bf16_acts else self._wide_f32      # chosen once
             self._fwd = self._bf16
         else:
             self.wt = w.to(dtype).t().contiguous()                       # wt: [in, out]
@@ -101,14 +102,20 @@ class Linear:
         if x.dtype != torch.float32:
             return torch.nn.functional.linear(x, self.w.to(x.dtype), self.b)
         if x.shape[0] > GEMV_ROWS:
-            if not self.bf16_acts:
-                return torch.nn.functional.linear(x, self.w.to(x.dtype), self.b)
-            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.w).float()    # y: [n, out]
-            return y if self.b is None else y.add_(self.b)
+            return self._wide(x)
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features)
         kernels.lib().tm_linear_bf16(x.data_ptr(), x.shape[0], self.in_features, self.w.data_ptr(),
                                      self.out_features, y.data_ptr(), kernels.threads())
+        return y if self.b is None else y.add_(self.b)
+
+    def _wide_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill rows, exact: the weight widened to float32 for one BLAS call."""
+        return torch.nn.functional.linear(x, self.w.to(x.dtype), self.b)
+
+    def _wide_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill rows with bf16 activations: x rounded to bf16, one bf16 matmul, float32 out. x: [n, in]."""
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.w).float()        # y: [n, out]
         return y if self.b is None else y.add_(self.b)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:

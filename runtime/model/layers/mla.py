@@ -58,6 +58,7 @@ class MLAttention(Sublayer):
         self.rotation = "none" if not m.rope else "interleaved" if m.rope_interleave else "half"
         self.rot = {"none": _no_rotation, "interleaved": rope_interleaved, "half": _rotate}[self.rotation]
         self.q_scale = (cfg.q_scale_beta, cfg.q_scale_len) if cfg.q_scale_beta else None
+        self._scale_q = self._q_scaled if self.q_scale is not None else (lambda q, ctx: q)   # chosen once
 
     def fused_refusal(self) -> "str | None":
         """The fused CPU decode (layers/fused.py MLAPart) takes every MLA layer: q through q_lora or one
@@ -117,11 +118,14 @@ class MLAttention(Sublayer):
     def _q_full(self, x: torch.Tensor) -> torch.Tensor:
         return self.q(x)
 
+    def _q_scaled(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Llama 4's position-dependent query scale (Mistral 4). q: [tokens, heads, nope+rope]."""
+        return q * position_scale(ctx, *self.q_scale).to(q.device, q.dtype)[:, None, None]
+
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         nh, nope, rope, vd, lat = self.nh, self.nope, self.rope, self.vd, self.lat
         q = self._q(x).view(-1, nh, nope + rope)                         # q: [tokens, heads, nope+rope]
-        if self.q_scale is not None:
-            q = q * position_scale(ctx, *self.q_scale).to(q.device, q.dtype)[:, None, None]
+        q = self._scale_q(q, ctx)
         ckv = self.kv_a(x)                                               # ckv: [tokens, lat+rope]
         latent = self.kv_a_norm(ckv[:, :lat])
         k_rot = ckv[:, lat:]
