@@ -58,7 +58,7 @@ class Linear:
         elif self.kept:
             self.w = w.contiguous()                                      # w: [out, in] bf16
             # past the GEMV's rows, bf16 activations with act_quant q8 (llama.cpp's default for BF16
-            # weights; 2-2.5x a widened float32 product here), else the weight widened (exact)
+            # weights; bench/results/prefill_chunk.md), else the weight widened (exact)
             self.bf16_acts = act_quant == "q8"
             self._wide = self._wide_bf16 if self.bf16_acts else self._wide_f32      # chosen once
             self._fwd = self._bf16

@@ -88,7 +88,8 @@ class ExpertExecutor:
         self.kernel, self.kernel_off = host_kernel(cfg, store.m.weights, act_quant)
         # Prefill-size products of bf16 experts with bf16 activations (the fast setting, q8): what
         # llama.cpp does for BF16 weights, and a bf16 matmul (AVX512-BF16 / AMX through oneDNN) runs
-        # 2-2.5x the float32 one with no widened copy (bench/results/prefill_chunk.md: the exact column against q8).
+        # faster than the float32 one with no widened copy (a whole bf16 prefill 1.3-1.6x the exact path:
+        # bench/results/prefill_chunk.md, the exact column against q8).
         self.bf16_acts = act_quant == "q8" and not self.codec.quantized and \
             self.codec.fmts["down"].dtype == torch.bfloat16
         # past this many rows an expert goes to the bf16 matmul: torch's bf16 linear at 8 rows ran 70 GFLOP/s on
