@@ -178,8 +178,12 @@ class ExpertStore:
         if counts is not None:
             cmap = {}
             for e, c in zip(experts, counts):
-                cmap[int(e)] = cmap.get(int(e), 0) + int(c)
-        experts = sorted({int(e) for e in experts})
+                e = int(e)
+                cmap[e] = cmap.get(e, 0) + int(c)
+            experts = sorted(cmap)
+            cnt = [cmap[e] for e in experts]
+        else:
+            experts, cnt = sorted({int(e) for e in experts}), None
         if experts and (experts[0] < 0 or experts[-1] >= m.num_experts):
             raise ValueError(f"layer {layer}: expert ids must be in [0, {m.num_experts}), got {experts}")
         if not self.layers[0] <= layer < self.layers[1]:
@@ -191,23 +195,9 @@ class ExpertStore:
             raise ValueError(f"layer {layer} needs {len(experts)} experts at once, the {tier} tier holds {pool_cap}: "
                              f"waves need a host tier that holds every expert; raise the device or host budget")
         keys = [layer * m.num_experts + e for e in experts]
-        cnt = [cmap[e] for e in experts] if counts is not None else None
         d = self.placement.access_detail(layer, keys, t, counts=cnt)
         self._cancel_prefetches(layer, set(keys))
-        host = frozenset(k - layer * m.num_experts for k in d.host)
-        self.stats.computed["host"] += len(host)
-        self.stats.computed["device"] += len(keys) - len(host)
-        self._last_layer = (experts, cnt, host, len(d.misses))
-        self.stats.requests += 1
-        n_disk = len(d.moves.from_disk)
-        self.stats.waves += d.waves - 1
-        self.stats.hits["device"] += d.hits
-        self.stats.hits["disk"] += n_disk
-        self.stats.hits["host"] += len(keys) - d.hits - n_disk   # moved or computed on the host
-        lh = self.stats.layer_hits[layer]
-        lh[0] += d.hits
-        lh[1] += len(keys) - d.hits - n_disk
-        lh[2] += n_disk
+        host = self._count(layer, experts, cnt, keys, d)
         plan = d.wave_plan
         if plan is not None:
             first = plan[0]
@@ -233,6 +223,55 @@ class ExpertStore:
                     self.invalidate(k)
                     raise ExpertLoadError(f"layer {layer} expert {e}: {ex}") from None
         return Fetch(self, layer, experts, pending, host=host)
+
+    def _count(self, layer: int, experts: list, cnt, keys: list, d) -> frozenset:
+        """A request's statistics from its placement ``d``; returns the experts computed on the host."""
+        E, stats = self.m.num_experts, self.stats
+        host = frozenset(k - layer * E for k in d.host) if d.host else frozenset()
+        n_host = len(host)
+        stats.computed["host"] += n_host
+        stats.computed["device"] += len(keys) - n_host
+        self._last_layer = (experts, cnt, host, len(d.misses))
+        stats.requests += 1
+        n_disk = len(d.moves.from_disk)
+        stats.waves += d.waves - 1
+        stats.hits["device"] += d.hits
+        stats.hits["disk"] += n_disk
+        stats.hits["host"] += len(keys) - d.hits - n_disk   # moved or computed on the host
+        lh = stats.layer_hits[layer]
+        lh[0] += d.hits
+        lh[1] += len(keys) - d.hits - n_disk
+        lh[2] += n_disk
+        return host
+
+    def request_resident(self, layer: int, experts: list, counts: list, t: int, host: bool) -> None:
+        """The fused decode step's request (layers/fused_step.py), after its kernel computed the layer: the
+        experts (distinct, each with its tokens) were all resident - on the host tier if ``host``, else the
+        device - by the residency table the step was given, and nothing can have moved since (the step runs
+        only without prefetch, hybrid decisions or loads in flight). The same placement access and statistics
+        as ``request`` - a replay of the routing places the same - without the general path's checks and
+        Fetch. Raises if placement disagrees: the table was stale, a bug."""
+        pairs = sorted(zip(experts, counts))       # request's order: the policy sees the same sequence
+        E = self.m.num_experts
+        experts = [e for e, _ in pairs]
+        cnt = [c for _, c in pairs]
+        keys = [layer * E + e for e in experts]
+        d = self.placement.access_detail(layer, keys, t, counts=cnt)
+        self._cancel_prefetches(layer, set(keys))
+        on_host = self._count(layer, experts, cnt, keys, d)
+        mv = d.moves
+        busy = [k for k in keys if k in self.inflight] if self.inflight else ()
+        for k in busy:                   # copies that had finished when the step's table was made: settled now
+            fut = self.inflight.pop(k)
+            if not fut.done() or fut.exception() is not None:
+                busy = [k]
+                break
+        else:
+            busy = ()
+        if mv.loaded or mv.from_disk or mv.device_evicted or mv.host_evicted or d.wave_plan is not None or busy \
+                or (len(on_host) != len(keys) if host else on_host):
+            raise RuntimeError(f"MoE layer {layer}: the store placed experts elsewhere than the fused step's residency "
+                               f"table had them (moves {mv}, in flight {busy}, host {sorted(on_host)})")
 
     @property
     def last_idle_link_s(self) -> float:

@@ -76,17 +76,17 @@ class _Routed:
         self.table[e] = 0 if views is None else self.kernel._row(views)
 
     def book(self, ctx, B: int, k: int) -> None:
-        """After the call computed this layer: the block's request (recorded routing, store, hooks) for what it
-        routed. Every expert was resident, so the request finds them all in place."""
+        """After the call computed this layer: the routing recorded and the store's request for what it routed
+        (``ExpertStore.request_resident``: every expert was resident, so it finds them all in place). The step
+        runs with no ``routed`` hook (``usable``), so the block's request has nothing else to tell."""
         nu = int(self.n_used[0])
-        ids = torch.from_numpy(self.ids[:B * k].reshape(B, k).copy()) if ctx.hooks.record is not None else None
-        used, counts = self.used[:nu].tolist(), self.counts[:nu].tolist()
-        fetch = self.block.request(ctx, ids, used, counts, None)
-        if fetch.pending or fetch.plan is not None or (set(fetch.host) != set(used) if self.host else fetch.host):
-            raise RuntimeError(f"MoE layer {self.m}: the store placed experts elsewhere than the fused step's "
-                               f"residency table had them (pending {sorted(fetch.pending)}, host {sorted(fetch.host)})")
+        hooks = ctx.hooks
+        if hooks.record is not None:      # ids: [B, k], copied: the buffer is the next step's
+            hooks.record(self.m, torch.from_numpy(self.ids[:B * k].reshape(B, k).copy()))
+        store = self.block.store
+        store.request_resident(self.m, self.used[:nu].tolist(), self.counts[:nu].tolist(), hooks.step, self.host)
         if self.host:                    # host compute time, as FusedDecode's record_host_share counts it
-            fetch.store.record_host_compute(int(self.ns[0]) / 1e9)
+            store.record_host_compute(int(self.ns[0]) / 1e9)
 
 
 class FusedStep:

@@ -77,7 +77,11 @@ def _decode(store_dir, fused, frac, monkeypatch, step=True):
             # and MoE layers' experts in it (from their residency tables; the rest fell back one layer at a time)
             assert runner is not None and runner.calls >= 6
             assert runner.routed_done > 0 or all(f is None or f.dense for f in model.fused)
-        return which, torch.stack(steps), dict(st.stats.hits)
+        # the store's state after the steps: hits per layer and, per device pool, its residents in LRU order - the
+        # one-call step books its layers through ExpertStore.request_resident, which must decide as request does
+        state = ([list(h) for h in st.stats.layer_hits], st.stats.requests,
+                 [list(p.policy.order) for p in st.placement.unique_pools()])
+        return which, torch.stack(steps), (dict(st.stats.hits), state)
     finally:
         st.close()
 
@@ -91,7 +95,8 @@ def test_fused_decode_equals_composed(store, frac, step, monkeypatch):
     assert which == FUSED[arch], arch
     _, composed, hits0 = _decode(d, False, frac, monkeypatch)
     assert (fused - composed).abs().max().item() <= 1e-5 * composed.abs().max().item(), arch
-    assert hits == hits0                                              # the same expert requests, hit for hit
+    assert hits == hits0                                  # the same expert requests, hit for hit, the same LRU order
+    hits = hits[0]
     if frac < 1:
         assert hits["device"] < sum(hits.values())                    # misses really took the general path
 
