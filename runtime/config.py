@@ -20,7 +20,7 @@ from .kernels.moe import ACT_QUANT
 from .model import load_model
 from .model.config import MoEConfig
 from .model.layers.dense import DENSE_QUANT
-from .parallel.shard import Shard, plan, rank_manifest
+from .parallel.shard import Shard, plan, rank_manifest, shared_pick_cuts
 from .store import Manifest
 
 
@@ -98,6 +98,11 @@ class RuntimeConfig:
             if mc.attn_res_block_layers:
                 raise ValueError(f"--pipeline-parallel: {self.model} uses Block Attention Residuals, which pipeline "
                                  f"stages do not support yet; use --tensor-parallel")
+            cut = shared_pick_cuts(mc, self.pipeline_parallel)
+            if cut:
+                raise ValueError(f"--pipeline-parallel {self.pipeline_parallel}: a stage would start at layer {cut[0]}, "
+                                 f"which attends to the keys the layer before it picked (a shared DSA indexer) - "
+                                 f"stages do not hand the pick over; use another stage count or --tensor-parallel")
             if self.host_budget is not None:
                 raise ValueError("--pipeline-parallel needs a host tier that holds every expert of a stage: drop "
                                  "--host-budget")

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from cache_policy.jsonfile import read_json
 
 from .arch import ARCHITECTURES, language_model, module
-from .config_views import HyperFields, LinearFields, MLAFields, V4Fields
+from .config_views import DSAFields, HyperFields, LinearFields, MLAFields, V4Fields
 from .layers.router import ROUTERS
 
 SUPPORTED = tuple(ARCHITECTURES)
 # q/k RMSNorm: none | head (Qwen3: per head, before RoPE) | full (OLMoE: over the projection) | head_post_rope
-# (Hunyuan: per head, after RoPE)
-QK_NORMS = ("none", "head", "full", "head_post_rope")
+# (Hunyuan: per head, after RoPE) | weightless_rope (Llama 4: per head without a weight, on the RoPE layers only)
+QK_NORMS = ("none", "head", "full", "head_post_rope", "weightless_rope")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class MoEConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)   # {} or YaRN parameters (factor, original_max_position_embeddings, ...)
+                                                      # or Llama 3.1's (rope_type llama3 and its four fields)
     qkv_bias: bool = False
     qk_norm: str = "none"              # see QK_NORMS
     router: str = "softmax_topk"       # see ROUTERS
@@ -42,6 +43,7 @@ class MoEConfig:
     topk_group: int = 1
     shared_intermediate: int = 0       # 0: no shared expert
     shared_expert_gate: bool = False   # Qwen2-MoE: sigmoid gate on the shared expert
+    router_scales_input: bool = False  # Llama 4: the router weight scales each expert's input, not its output
     latent_dim: int = 0                # 0: experts run in the hidden space (else a LatentMoE projection)
     shared_prefix: str = "mlp.shared_expert."
     mlp_prefix: str = "mlp."           # a layer's dense MLP / router / experts live under model.layers.N.<mlp_prefix>
@@ -60,6 +62,11 @@ class MoEConfig:
     linear_num_v_heads: int = 0        # Gated DeltaNet only
     linear_value_head_dim: int = 0     # Gated DeltaNet only
     linear_conv_kernel: int = 4
+    # Mamba-2 only: groups of B and C, the SSM state size N, and biases on the convolution / projections
+    linear_num_groups: int = 1
+    linear_state_dim: int = 0
+    linear_conv_bias: bool = False
+    linear_proj_bias: bool = False
     mla_rope: bool = True              # False: MLA without RoPE (Kimi-Linear: positions come from the KDA layers)
     # Qwen3-Next / Qwen3.5: RoPE on the first rotary_dim of each head only (0: all of it), a sigmoid
     # output gate per attention channel (q_proj gives [q | gate] per head), and RMSNorms that scale by
@@ -69,8 +76,13 @@ class MoEConfig:
     norm_offset: float = 0.0
     # pre: x += attn(norm(x)), x += ffn(norm(x)) (most families); post (OLMo-2, FlexOlmo): x += norm(attn(x)),
     # x += norm(ffn(x)) - the norms after the sublayers (post_attention_layernorm, post_feedforward_layernorm);
-    # sandwich (Kolibri): both, x += norm'(attn(norm(x))), x += norm'(ffn(norm(x)))
+    # sandwich (Kolibri): both, x += norm'(attn(norm(x))), x += norm'(ffn(norm(x))); normed (MiniMax): the stream
+    # carries the normed input, x = a * norm(x) + b * attn(norm(x)), then the same around the FFN, with (a, b) of
+    # the layer's kind from residual_scales
     norm_placement: str = "pre"
+    # normed: (alpha, beta) around full attention, linear attention and the FFN
+    residual_scales: dict = field(default_factory=lambda: {"attention": (1.0, 1.0), "linear": (1.0, 1.0),
+                                                           "ffn": (1.0, 1.0)})
     # Granite's scalars (folded into the weights at load, moe.fold_scales): the embeddings x embedding_multiplier,
     # each sublayer's output x residual_multiplier before the residual add, the attention scale
     # attention_multiplier (0: head_dim ** -0.5), the logits / logits_scaling
@@ -90,12 +102,17 @@ class MoEConfig:
     # Llama 4's position-dependent query scale (Mistral 4's MLA): q x (1 + q_scale_beta ln(1 + floor(pos / q_scale_len)))
     q_scale_beta: float = 0.0
     q_scale_len: int = 0
+    q_scale_offset: int = 0            # Llama 4's own counts from 1: floor((pos + q_scale_offset) / q_scale_len)
+    q_scale_layers: list = field(default_factory=list)   # GQA: the layers it scales (Llama 4's NoPE ones); MLA: all
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int = 0            # > 0: layers in sliding_layers attend to the last sliding_window tokens only
     sliding_layers: list = field(default_factory=list)
     nope_layers: list = field(default_factory=list)   # attention layers without RoPE (EXAONE's global layers)
     sliding_rope_theta: float = 0.0    # > 0: the sliding-window layers' own RoPE base (Mellum; default RoPE), 0: rope_theta
+    # Llama 4's chunked local attention: the window layers attend within their position's chunk of sliding_window
+    # positions (chunk p // sliding_window), not to the last sliding_window
+    chunked_windows: bool = False
     # gpt-oss: attention sinks (a learned per-head logit in every softmax), biases on q/k/v/o, a router
     # bias, expert biases and the clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), clamped at limit)
     attn_sinks: bool = False
@@ -125,6 +142,13 @@ class MoEConfig:
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
     hash_layers: list = field(default_factory=list)   # MoE layers whose experts come from a token-id table (tid2eid)
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5: attention = "mla" with mla_indexer): a lightning indexer
+    # (index_n_heads x index_head_dim, RoPE on its first qk_rope_head_dim channels - interleaved pairs or
+    # rotate-half: index_rope_interleave) picks index_topk cached keys per query; the index_shared_layers
+    # (GLM-5's "shared" indexer types) have no indexer and reuse the pick of the layer before
+    mla_indexer: bool = False
+    index_rope_interleave: bool = False
+    index_shared_layers: list = field(default_factory=list)
     eos_token_ids: list = field(default_factory=list)
     bos_token_id: "int | None" = None
     source: str = "<memory>"
@@ -138,8 +162,8 @@ class MoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{src}: {name} must be a positive integer, got {v!r}")
-        if self.norm_placement not in ("pre", "post", "sandwich"):
-            raise ValueError(f"{src}: norm_placement {self.norm_placement!r} is not pre, post or sandwich")
+        if self.norm_placement not in ("pre", "post", "sandwich", "normed"):
+            raise ValueError(f"{src}: norm_placement {self.norm_placement!r} is not pre, post, sandwich or normed")
         if self.norm_placement != "pre" and (self.hc_mult or self.attn_res_block_layers):
             raise ValueError(f"{src}: norms after the sublayers with hyper-connections or attention residuals")
         if self.qk_norm not in QK_NORMS:
@@ -166,7 +190,8 @@ class MoEConfig:
             raise ValueError(f"{src}: unknown attention {self.attention!r}; choose one of gqa, mla, v4")
         # each family present checks its own fields (config_views.py)
         for view, has in ((MLAFields, self.attention == "mla"), (LinearFields, bool(self.linear_layers)),
-                          (V4Fields, self.attention == "v4"), (HyperFields, self.hc_mult > 0 or self.attention == "v4")):
+                          (V4Fields, self.attention == "v4"), (HyperFields, self.hc_mult > 0 or self.attention == "v4"),
+                          (DSAFields, self.sparse_mla)):
             if has:
                 view.of(self)
 
@@ -191,6 +216,15 @@ class MoEConfig:
     @property
     def hyper(self) -> HyperFields:
         return self._view(HyperFields, self.hc_mult > 0)
+
+    @property
+    def dsa(self) -> DSAFields:
+        return self._view(DSAFields, self.sparse_mla)
+
+    @property
+    def sparse_mla(self) -> bool:
+        """MLA whose keys a lightning indexer selects per query (DeepSeek Sparse Attention)."""
+        return self.attention == "mla" and self.mla_indexer
 
     @property
     def v4_layers(self) -> list:
@@ -220,6 +254,7 @@ class MoEConfig:
         """A layer's RMSNorm weights under model.layers.N: the attention sublayer's and the FFN's, then with sandwich
         norms those after each sublayer."""
         return {"pre": ("input_layernorm.weight", "post_attention_layernorm.weight"),
+                "normed": ("input_layernorm.weight", "post_attention_layernorm.weight"),
                 "post": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"),
                 "sandwich": ("input_layernorm.weight", "post_attention_layernorm.weight",
                              "post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")}[self.norm_placement]
@@ -267,8 +302,8 @@ class MoEConfig:
             rope = {**d["rope_scaling"], **rope}
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        if rope_type not in ("default", "yarn"):
-            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported yet (default and yarn are)")
+        if rope_type not in ("default", "yarn", "llama3"):
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported yet (default, yarn and llama3 are)")
         arch = module(mt)
         partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
         if partial != 1.0 and not getattr(arch, "PARTIAL_ROTARY", False):
@@ -279,6 +314,11 @@ class MoEConfig:
                 raise ValueError(f"{source}: yarn RoPE needs original_max_position_embeddings")
             scaling = {k: rope[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                                             "mscale", "mscale_all_dim", "attention_factor", "truncate") if k in rope}
+        elif rope_type == "llama3":     # Llama 3.1's (layers/rope.py): the scaling named, its four fields all needed
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            if any(rope.get(k) is None for k in keys):
+                raise ValueError(f"{source}: llama3 RoPE needs {', '.join(keys)}")
+            scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
         E = int(need("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
         eos = d.get("eos_token_id")
         eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(x) for x in eos])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-LINEAR_KINDS = ("kda", "gated_deltanet")   # Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5)
+# Kimi Delta Attention (Kimi-Linear), Gated DeltaNet (Qwen3-Next / Qwen3.5), lightning attention (MiniMax-Text-01 / M1),
+# Mamba-2 (Granite 4 hybrids)
+LINEAR_KINDS = ("kda", "gated_deltanet", "lightning", "mamba2")
 V4_KINDS = ("sliding", "csa", "hca")       # DeepSeek-V4 layer kinds (config.json layer_types: see arch/deepseek_v4.py)
 
 
@@ -55,7 +57,9 @@ class MLAFields(ConfigView):
 @dataclass(frozen=True)
 class LinearFields(ConfigView):
     """Linear-attention layers (a fixed recurrent state per sequence): Kimi Delta Attention (keys = values
-    of ``head_dim``) or Gated DeltaNet (``num_heads`` key heads, ``num_v_heads`` value heads)."""
+    of ``head_dim``), Gated DeltaNet (``num_heads`` key heads, ``num_v_heads`` value heads) or lightning
+    attention (keys = values of ``head_dim``, no convolution) or Mamba-2 (``num_heads`` heads of ``head_dim``
+    channels, B and C in ``num_groups`` groups of ``state_dim``)."""
     layers: list
     kind: str
     prefix: str                 # a layer's tensors live under model.layers.N.<prefix>
@@ -64,7 +68,12 @@ class LinearFields(ConfigView):
     num_v_heads: int            # Gated DeltaNet only
     value_head_dim: int         # Gated DeltaNet only
     conv_kernel: int
-    SOURCE = {"layers": "linear_layers", "kind": "linear_kind", "prefix": "linear_prefix",
+    num_groups: int             # Mamba-2 only
+    state_dim: int              # Mamba-2 only
+    conv_bias: bool             # Mamba-2 only
+    proj_bias: bool             # Mamba-2 only
+    SOURCE = {"num_groups": "linear_num_groups", "state_dim": "linear_state_dim", "conv_bias": "linear_conv_bias",
+              "proj_bias": "linear_proj_bias", "layers": "linear_layers", "kind": "linear_kind", "prefix": "linear_prefix",
               "num_heads": "linear_num_heads", "head_dim": "linear_head_dim", "num_v_heads": "linear_num_v_heads",
               "value_head_dim": "linear_value_head_dim", "conv_kernel": "linear_conv_kernel"}
     FAMILY = "linear-attention layers"
@@ -75,10 +84,13 @@ class LinearFields(ConfigView):
             raise ValueError(f"{src}: unknown linear-attention kind {self.kind!r}; choose one of {', '.join(LINEAR_KINDS)}")
         if any(not 0 <= i < cfg.num_layers for i in self.layers):
             raise ValueError(f"{src}: linear-attention layer index out of range 0..{cfg.num_layers - 1}")
-        if self.num_heads < 1 or self.head_dim < 1 or self.conv_kernel < 2:
+        if self.num_heads < 1 or self.head_dim < 1 or (self.conv_kernel < 2 and self.kind != "lightning"):
             raise ValueError(f"{src}: linear-attention layers need positive linear_num_heads / linear_head_dim and a "
                              f"convolution kernel of at least 2, got {self.num_heads} / {self.head_dim} / "
                              f"{self.conv_kernel}")
+        if self.kind == "mamba2" and (self.state_dim < 1 or self.num_groups < 1 or self.num_heads % self.num_groups):
+            raise ValueError(f"{src}: Mamba-2 needs a positive state size and mamba_n_heads ({self.num_heads}) a "
+                             f"multiple of mamba_n_groups ({self.num_groups}), got state size {self.state_dim}")
         if self.kind == "gated_deltanet" and (self.num_v_heads < 1 or self.value_head_dim < 1
                                               or self.num_v_heads % self.num_heads):
             raise ValueError(f"{src}: Gated DeltaNet needs linear_num_value_heads ({self.num_v_heads}) a positive "
@@ -143,3 +155,34 @@ class V4Fields(ConfigView):
             raise ValueError(f"{src}: CSA layers need index_n_heads, index_head_dim (>= the rotary part) and index_topk")
         if any(l not in cfg.moe_layers for l in cfg.hash_layers):
             raise ValueError(f"{src}: hash-routed layers {cfg.hash_layers} must be MoE layers")
+
+
+@dataclass(frozen=True)
+class DSAFields(ConfigView):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) over MLA: a lightning indexer of ``n_heads`` x
+    ``head_dim`` (RoPE on its first ``rope_head_dim`` channels, in interleaved pairs or rotate-half) reading
+    MLA's q LoRA residual, which picks ``topk`` cached keys per query; the ``shared`` layers have no indexer
+    and reuse the pick of the layer before them."""
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_head_dim: int
+    rope_interleave: bool
+    shared: list
+    SOURCE = {"n_heads": "index_n_heads", "head_dim": "index_head_dim", "topk": "index_topk",
+              "rope_head_dim": "qk_rope_head_dim", "rope_interleave": "index_rope_interleave",
+              "shared": "index_shared_layers"}
+    FAMILY = "DeepSeek sparse attention"
+
+    def check(self, cfg) -> None:
+        src = cfg.source
+        if self.n_heads < 1 or self.topk < 1 or self.head_dim < max(self.rope_head_dim, 1):
+            raise ValueError(f"{src}: DeepSeek sparse attention needs positive index_n_heads and index_topk and an "
+                             f"index_head_dim of at least qk_rope_head_dim {self.rope_head_dim}, got {self.n_heads} / "
+                             f"{self.topk} / {self.head_dim}")
+        if cfg.q_lora_rank < 1:
+            raise ValueError(f"{src}: DeepSeek sparse attention's indexer reads the q LoRA residual: it needs a "
+                             f"q_lora_rank, got {cfg.q_lora_rank}")
+        if any(not 0 < i < cfg.num_layers for i in self.shared):
+            raise ValueError(f"{src}: layers {self.shared} reuse the top-k of the layer before them: each must be one "
+                             f"of layers 1..{cfg.num_layers - 1} (layer 0 has none before it)")

@@ -330,13 +330,15 @@ def _fused_layer(ck: "Checkpoint", cfg: MoEConfig, layer: int):
     """A layer's experts fused into two float tensors -> input-major ``gate_up`` [E, hidden, 2I] (gate
     columns, then up) and ``down`` [E, I, hidden], the layout Qwen3-VL ships. transformers 5 saves
     them output-major ([E, 2I, hidden], [E, hidden, I]) and, loading, tells the two apart by shape,
-    the output-major reading first where both fit (hidden = 2I); so does this."""
+    the output-major reading first where both fit (hidden = 2I); so does this - but for an architecture
+    whose experts transformers keeps input-major (``FUSED_INPUT_MAJOR``: Llama 4), read only so."""
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate
+    out_major = not getattr(module(cfg.model_type), "FUSED_INPUT_MAJOR", False)
 
     def read(w: str, in_major: tuple):
         name = fused_expert_name(cfg, layer, w)
         t = ck.get(name)
-        if tuple(t.shape) == (E, in_major[2], in_major[1]):
+        if out_major and tuple(t.shape) == (E, in_major[2], in_major[1]):
             return t.transpose(1, 2)
         return t if tuple(t.shape) == in_major else ck.get(name, in_major)   # the latter raises: shape and expected
     return read("gate_up_proj", (E, H, 2 * I)), read("down_proj", (E, I, H))

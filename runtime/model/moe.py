@@ -68,7 +68,7 @@ def dense_tensors(cfg: MoEConfig) -> dict:
 def fold_scales(cfg: MoEConfig, dense: dict) -> None:
     """Granite's scalar multipliers folded into the dense weights once, in float32, each tensor back in its dtype:
     q (and its bias) x attention_multiplier * sqrt(head_dim) - the attention's own scale is head_dim ** -0.5 -;
-    o, a dense MLP's and the shared experts' down x residual_multiplier (the routed experts' through
+    o (a linear-attention layer's out_proj), a dense MLP's and the shared experts' down x residual_multiplier (the routed experts' through
     routed_scaling_factor, which the architecture sets to it); the embeddings x embedding_multiplier; the final
     norm / logits_scaling, and / embedding_multiplier where the head is the (scaled) embedding. The kernels and
     every backend then need no scalar of their own."""
@@ -82,6 +82,8 @@ def fold_scales(cfg: MoEConfig, dense: dict) -> None:
             if cfg.attention_multiplier:
                 scale(f"{p}self_attn.q_proj.{sfx}", cfg.attention_multiplier * cfg.head_dim ** 0.5)
             scale(f"{p}self_attn.o_proj.{sfx}", r)
+            if i in cfg.linear_layers:       # Granite 4's Mamba-2 layers: their output projection
+                scale(f"{p}{cfg.linear_prefix}out_proj.{sfx}", r)
             scale(f"{p}{cfg.mlp_prefix}down_proj.{sfx}", r)
             scale(f"{p}{cfg.shared_prefix}down_proj.{sfx}", r)
     scale("model.embed_tokens.weight", cfg.embedding_multiplier)
@@ -161,8 +163,11 @@ class MoEModel:
             else (None, None)
         eps = cfg.rms_norm_eps
         an, fn, *out = [RMSNorm(take(w, pre + n), eps) for n in cfg.layer_norm_names]
+        rs = cfg.residual_scales
+        scales = ((rs["linear"] if i in cfg.linear_layers else rs["attention"]), rs["ffn"]) \
+            if cfg.norm_placement == "normed" else None
         return DecoderLayer(i, attn, ffn, an, fn, *q, *hc, norm_after=cfg.norm_placement == "post",
-                            out_norms=tuple(out) or None)
+                            out_norms=tuple(out) or None, scales=scales)
 
     def _pick_layer_backends(self, tp, device) -> None:
         """Each layer's backend on the plain residual stream, once: the fused CPU decode (two kernel calls per

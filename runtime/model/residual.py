@@ -1,8 +1,9 @@
 """Decoder layers and the residual stream that carries them, each picked once when the model is built.
 
 ``DecoderLayer`` is one layer: an attention kind and an FFN kind (runtime/model/layers/), each after its
-RMSNorm (or, OLMo-2's placement, each followed by it). ``forward`` is its backend on the plain residual stream - ``composed`` (the sublayers' own
-ops) or the fused CPU decode (layers/fused.py) - chosen at build.
+RMSNorm (or, OLMo-2's placement, each followed by it; MiniMax's: the stream carries the normed input).
+``forward`` is its backend on the plain residual stream - ``composed`` (the sublayers' own ops) or the fused CPU
+decode (layers/fused.py) - chosen at build.
 
 A residual scheme says what flows between the layers and how a layer's sublayers read and add to it:
 
@@ -44,12 +45,15 @@ class DecoderLayer:
     forward: object = field(default=None, repr=False)   # the backend on the plain stream: composed or fused
     norm_after: bool = False   # OLMo-2 / FlexOlmo: input_norm / post_norm follow the attention / FFN instead
     out_norms: "tuple | None" = None   # sandwich norms (Kolibri): the norms after the attention and the FFN too
+    scales: "tuple | None" = None      # normed residual (MiniMax): (alpha, beta) of the attention, then of the FFN
 
     def __post_init__(self) -> None:
         if self.norm_after:                  # the layer's composed ops, wherever they are asked for, are these
             self.composed = self.composed_post
         elif self.out_norms is not None:
             self.composed = self.composed_sandwich
+        elif self.scales is not None:
+            self.composed = self.composed_normed
         if self.forward is None:
             self.forward = self.composed
 
@@ -63,6 +67,14 @@ class DecoderLayer:
         a, f = self.out_norms
         x = x + a(self.attn(self.input_norm(x), ctx))
         return x + f(self.ffn(self.post_norm(x), ctx))
+
+    def composed_normed(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """... carrying the normed input (MiniMax): h = norm(x); x = a h + b attn(h); the same around the FFN."""
+        (a1, b1), (a2, b2) = self.scales
+        h = self.input_norm(x)
+        x = a1 * h + b1 * self.attn(h, ctx)
+        h = self.post_norm(x)
+        return a2 * h + b2 * self.ffn(h, ctx)
 
     def composed_post(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """... with the norms after the sublayers: x += norm(attn(x)); x += norm(ffn(x))."""

@@ -116,6 +116,13 @@ def stage_layers(cfg: MoEConfig, stages: int, stage: int) -> tuple:
 
 
 
+def shared_pick_cuts(cfg: MoEConfig, stages: int) -> list:
+    """The layers at which a stage of ``stages`` starts that reuse the pick of the layer before them (GLM-5's shared
+    DSA indexer, layers/dsa.py): the stage before keeps it, so such a cut cannot run."""
+    starts = {stage_layers(cfg, stages, s)[0][0] for s in range(1, stages)}
+    return sorted(starts & set(cfg.index_shared_layers))
+
+
 def allreduces_per_layer(cfg: MoEConfig, world: int) -> float:
     """All-reduces a layer costs on ``world`` tensor-parallel ranks, on average over the layers (one per split
     sublayer: every FFN; the attention where its heads split) - what cache_policy/layout.py charges."""

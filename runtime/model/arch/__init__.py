@@ -32,6 +32,8 @@ ARCHITECTURES = {
     "qwen3_5_moe": "qwen3_next",          # the multimodal release: its language model (text_config)
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",
+    "minimax": "minimax",
+    "granitemoehybrid": "granitemoehybrid",
     "deepseek_v2": "deepseek_v2",
     "kimi_k25": "kimi_k25",               # the multimodal release: its DeepSeek-V3 language model (text_config)
     "glm4_moe_lite": "glm4_moe_lite",
@@ -62,6 +64,10 @@ ARCHITECTURES = {
     "mellum": "mellum",
     "aria_text": "aria",
     "aria": "aria",                       # the multimodal release: its language model (text_config)
+    "llama4_text": "llama4",
+    "llama4": "llama4",                   # the multimodal release: its language model (text_config)
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "glm_moe_dsa",         # DeepSeek-V3.2's model, layers sharing an indexer
 }
 
 

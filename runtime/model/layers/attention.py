@@ -1,7 +1,8 @@
 """Softmax self-attention layers over the shared cache (layers/cache.py): GQA / MHA on paged
 blocks or a sliding-window ring, with the per-architecture parts chosen once at build time (qkv
 bias, q/k RMSNorm over each head or over the whole projection, partial RoPE, attention sinks,
-Qwen3-Next's sigmoid output gate)."""
+Qwen3-Next's sigmoid output gate, Llama 4's chunked local attention on the ring and its
+position-dependent q scale)."""
 from __future__ import annotations
 
 import torch
@@ -29,6 +30,8 @@ class Attention(Sublayer):
         self.i, self.eps = i, cfg.rms_norm_eps
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.windowed, self.window = i in cfg.window_layers, cfg.sliding_window
+        # Llama 4's chunked local attention: the ring of W holds the query's chunk of W positions, which is all it reads
+        self.chunked = self.windowed and cfg.chunked_windows
         self.rotary_dim = cfg.rotary_dim
         self.no_rope = i in cfg.nope_layers          # no RoPE on this layer (positions only through the mask)
         # a sliding-window layer of a model with a RoPE per layer type (Mellum) reads the window layers' tables
@@ -53,7 +56,14 @@ class Attention(Sublayer):
                           **linear_opts(w))
         self.o = Linear(take_raw(w, p + "o_proj.weight"), take_opt(w, p + "o_proj.bias"), dt, **linear_opts(w))
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm == "full":       # over the whole q / k projection (OLMoE, MiniMax-M2)
+        if cfg.qk_norm == "weightless_rope":
+            # Llama 4: a per-head RMSNorm without a weight where RoPE turns q and k, none elsewhere. transformers
+            # norms after RoPE; a rotation of channel pairs keeps each head's RMS, so before it (Qwen3's place,
+            # a weight of ones) is the same norm
+            self.qk_norm = "none" if self.no_rope else "head"
+            self.qk_w = None if self.no_rope else RMSNorm(torch.ones(nh + self.nkv, hd, dtype=dt, device=qkv.device),
+                                                          self.eps)
+        elif cfg.qk_norm == "full":       # over the whole q / k projection (OLMoE, MiniMax-M2)
             self.q_norm, self.k_norm = (RMSNorm(take(w, p + "q_norm.weight"), self.eps),
                                         RMSNorm(take(w, p + "k_norm.weight"), self.eps))
         elif cfg.qk_norm in ("head", "head_post_rope"):   # per head: q and k weights stacked, one joint norm [heads + kv, hd]
@@ -69,6 +79,11 @@ class Attention(Sublayer):
         if self.qk_norm == "head_post_rope":          # Hunyuan: the per-head norm after RoPE (they do not commute)
             rotate = self._rotate
             self._rotate = lambda qk, cos, sin: self.qk_w(rotate(qk, cos, sin))
+        # Llama 4's attention temperature (its NoPE layers): q scaled by its position before attention
+        self.q_scale = (cfg.q_scale_beta, cfg.q_scale_len, cfg.q_scale_offset) if i in cfg.q_scale_layers else None
+        if self.q_scale is not None:
+            attend = self._attend
+            self._attend = lambda qk, v, ctx: attend(self._q_scaled(qk, ctx), v, ctx)
         self._sdpa = self._sdpa_plain if self.sinks is None else self._sdpa_sinks
         self._out = self._out_gated if self.gated else self._out_plain
         # The decode backend, once: the host kernel (RoPE, cache writes and attention of every sequence in
@@ -81,7 +96,10 @@ class Attention(Sublayer):
 
     def fused_refusal(self) -> "str | None":
         """The fused CPU decode (layers/fused.py) takes paged or window-ring attention with full or partial
-        RoPE, sinks or none (gpt-oss), the output gate or none (Qwen3-Next) - on the step's one RoPE table."""
+        RoPE, sinks or none (gpt-oss), the output gate or none (Qwen3-Next), chunked rings (Llama 4: ring_addressing)
+        - on the step's one RoPE table and without a q scale."""
+        if self.q_scale is not None:
+            return "a position-dependent q scale (Llama 4's attention temperature)"
         return "a RoPE of its own (the sliding layers' theta)" if self.own_rope else None
 
     @classmethod
@@ -178,6 +196,12 @@ class Attention(Sublayer):
         bias[..., n] = self.sinks.view(1, nh, 1).to(q.dtype)
         return F.scaled_dot_product_attention(q, torch.cat([k, z], 2), torch.cat([v, z], 2), attn_mask=bias,
                                               enable_gqa=True)
+
+    def _q_scaled(self, qk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q x its token's temperature (k as it is): qk [tokens, heads + kv, hd] -> the same. Scaling q commutes with
+        RoPE and follows the q/k norm, as in transformers."""
+        s = q_temperature(ctx, *self.q_scale).to(qk.device)[:, None, None]     # s: [tokens, 1, 1] float32
+        return torch.cat([(qk[:, :self.nh] * s).to(qk.dtype), qk[:, self.nh:]], 1)
 
     def _qkv(self, x: torch.Tensor):
         """One matmul for q, k and v (their weights concatenated at build); q and k then stay one
@@ -279,7 +303,7 @@ class Attention(Sublayer):
         RK, RV = cache.k, cache.v                                        # [slots, W, kv, hd]
         if ctx.decode and self._decode == self._decode_host:
             # the host kernel over the ring as rows [slots * W, kv, hd] (softmax does not care about order)
-            out = self._decode_host(qk, v, ctx, RK, RV, ring_addressing(ctx, W))
+            out = self._decode_host(qk, v, ctx, RK, RV, ring_addressing(ctx, W, self.chunked))
             if out is not None:
                 return out
         if ctx.decode:
@@ -291,7 +315,7 @@ class Attention(Sublayer):
             RK[slots, at] = qk[:, nh:]
             RV[slots, at] = v
             kk, vv = RK[slots].transpose(1, 2), RV[slots].transpose(1, 2)   # [B, kv, W, hd]
-            return self._sdpa(qk[:, :nh, None], kk, vv, ring_mask(ctx, W)).reshape(B, nh * hd)
+            return self._sdpa(qk[:, :nh, None], kk, vv, ring_mask(ctx, W, self.chunked)).reshape(B, nh * hd)
         out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=qk.device)
         for s, (a, b), (cos, sin) in zip(ctx.seqs, ctx.spans, self._heads(ctx)):
             p0, n = s.length, b - a
@@ -304,6 +328,8 @@ class Attention(Sublayer):
             vv = torch.cat([RV[s.state], v[a:b]]).transpose(0, 1)
             q = new[:, None]
             mask = (kpos[None, :] <= q) & (kpos[None, :] > q - W) & (kpos[None, :] >= 0)   # [n, W + n]
+            if self.chunked:
+                mask &= kpos[None, :] // W == q // W                     # the query's own chunk only
             o = self._sdpa(qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], mask)
             out[a:b] = o[0].transpose(0, 1)
             m = min(n, W)                                                # the last W tokens stay in the ring
@@ -341,28 +367,47 @@ def decode_mask(ctx: ForwardContext) -> torch.Tensor:
     return mask
 
 
-def ring_addressing(ctx: ForwardContext, W: int) -> tuple:
+def ring_addressing(ctx: ForwardContext, W: int, chunked: bool = False) -> tuple:
     """A decode step's rows of the window rings, viewed as one [slots * W, kv, hd] table per layer, for the host
     kernel: (write [B]: slot * W + pos % W, read [B, W]: the slot's W entries, pos [B]: the last entry to read,
     min(pos, W - 1) - entries past a young sequence's position are stale). Position p sits at p % W; attention
-    over the entries read is the window (the new token's entry overwrites the one W back). The same for every
-    window layer of the step: made once per forward."""
-    r = ctx.masks.get("ring_at")
+    over the entries read is the window (the new token's entry overwrites the one W back). ``chunked`` (Llama 4):
+    the chunk of p starts at entry 0, so its positions so far are entries 0..p % W, the last to read. The same
+    for every window layer of the step: made once per forward."""
+    key = "chunk_at" if chunked else "ring_at"
+    r = ctx.masks.get(key)
     if r is None:
         slots = ctx.state.to(torch.int64)
-        r = ctx.masks["ring_at"] = ((slots * W + ctx.pos % W).contiguous(),
-                                    (slots[:, None] * W + torch.arange(W, device=slots.device)[None, :]).contiguous(),
-                                    ctx.pos.clamp(max=W - 1).contiguous())
+        last = ctx.pos % W if chunked else ctx.pos.clamp(max=W - 1)
+        r = ctx.masks[key] = ((slots * W + ctx.pos % W).contiguous(),
+                              (slots[:, None] * W + torch.arange(W, device=slots.device)[None, :]).contiguous(),
+                              last.contiguous())
     return r
 
 
-def ring_mask(ctx: ForwardContext, W: int) -> torch.Tensor:
+def ring_mask(ctx: ForwardContext, W: int, chunked: bool = False) -> torch.Tensor:
     """Ring entries each decoding sequence may attend to: those holding a position >= 0 (the rest
-    is stale from an earlier occupant of the slot). The same for every window layer of the step:
-    made once per forward. [B, 1, 1, W] bool."""
-    mask = ctx.masks.get("ring")
+    is stale from an earlier occupant of the slot); ``chunked`` (Llama 4): entries 0..pos % W, its chunk's
+    positions so far. The same for every window layer of the step: made once per forward. [B, 1, 1, W] bool."""
+    key = "chunk" if chunked else "ring"
+    mask = ctx.masks.get(key)
     if mask is None:
         ring = torch.arange(W, device=ctx.pos.device)
-        held = ctx.pos[:, None] - (ctx.pos[:, None] - ring[None, :]) % W   # position in each ring entry: [B, W]
-        mask = ctx.masks["ring"] = (held >= 0)[:, None, None, :]
+        if chunked:
+            mask = ring[None, :] <= (ctx.pos % W)[:, None]                 # [B, W]
+        else:
+            held = ctx.pos[:, None] - (ctx.pos[:, None] - ring[None, :]) % W   # position in each ring entry: [B, W]
+            mask = held >= 0
+        mask = ctx.masks[key] = mask[:, None, None, :]
     return mask
+
+
+def q_temperature(ctx: ForwardContext, beta: float, length: int, offset: int) -> torch.Tensor:
+    """Llama 4's attention temperature of each token of the forward, 1 + beta ln(1 + floor((pos + offset) / length)),
+    in float32 as transformers computes it -> [tokens] (1 below length - offset). Made once per forward."""
+    t = ctx.masks.get("q_temperature")
+    if t is None:
+        pos = ctx.pos if ctx.decode else torch.cat([torch.arange(s.length, s.length + b - a)
+                                                    for s, (a, b) in zip(ctx.seqs, ctx.spans)])
+        t = ctx.masks["q_temperature"] = torch.log1p(torch.floor((pos.float() + offset) / length)) * beta + 1.0
+    return t

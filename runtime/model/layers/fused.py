@@ -121,6 +121,7 @@ class GQAPart:
         L.gated = int(bool(attn.gated))
         self.widths = (L.qkv.N, L.o.K, attn.nh, max(L.qkv.K, L.o.K))    # qkv, att, heads, widest input
         self.ring = attn.window if attn.windowed else 0
+        self.chunked = attn.chunked       # Llama 4's chunked ring: only its addressing differs
         self._kv = None
 
     @staticmethod
@@ -146,7 +147,7 @@ class GQAPart:
             L.slots = cache.k.numel() // (L.nkv * L.hd)                  # [slots, nkv, hd] rows it holds
         # a window ring [slots, W, kv, hd] read as rows [slots * W, kv, hd]: the step's ring rows in place of
         # its paged ones (attention.ring_addressing, shared by the step's window layers)
-        return None, (ring_addressing(ctx, self.ring) if self.ring else None)
+        return None, (ring_addressing(ctx, self.ring, self.chunked) if self.ring else None)
 
     def __call__(self, lib, L: LayerArgs, a: StepArgs, ctx) -> int:
         _, ring = self.prepare(L, ctx)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..config import MoEConfig
 from .attention import Attention
+from .dsa import DSAttention
 from .linear import LinearAttentionLayer
 from .mla import MLAttention
 from .v4_attention import V4Attention
@@ -17,7 +18,9 @@ def attention_kind(cfg: MoEConfig, i: int):
         return LinearAttentionLayer
     if cfg.attention == "v4":
         return V4Attention
-    return MLAttention if cfg.attention == "mla" else Attention
+    if cfg.attention == "mla":
+        return DSAttention if cfg.sparse_mla else MLAttention
+    return Attention
 
 
 def cache_specs(cfg: MoEConfig, layers=None) -> dict:

@@ -6,6 +6,8 @@ import torch
 
 from ..config import MoEConfig
 from ..names import linear_names
+from ..lightning_attention import LightningAttention, LightningConfig
+from ..mamba2 import Mamba2, Mamba2Config
 from ..linear_attention import (GatedDeltaNet, GatedDeltaNetConfig, KDAConfig, KimiDeltaAttention,
                                 LinearAttentionState)
 from .cache import StateCacheSpec
@@ -15,9 +17,16 @@ from .weights import layer_prefix, linear_opts, take
 from .protocol import HeadSplit, Sublayer, cols, rows
 
 
-def linear_kind(cfg: MoEConfig):
-    """(layer class, its config) of the model's linear-attention kind."""
+def linear_kind(cfg: MoEConfig, i: int):
+    """(layer class, its config) of the model's linear-attention kind at layer ``i``."""
     lin = cfg.linear
+    if lin.kind == "mamba2":
+        return Mamba2, Mamba2Config(hidden_size=cfg.hidden_size, num_heads=lin.num_heads, head_dim=lin.head_dim,
+                                    num_groups=lin.num_groups, state_size=lin.state_dim, conv_kernel=lin.conv_kernel,
+                                    rms_norm_eps=cfg.rms_norm_eps, conv_bias=lin.conv_bias, proj_bias=lin.proj_bias)
+    if lin.kind == "lightning":         # its decay rates depend on the layer's depth
+        return LightningAttention, LightningConfig(hidden_size=cfg.hidden_size, num_heads=lin.num_heads,
+                                                   head_dim=lin.head_dim, layer_index=i, num_layers=cfg.num_layers)
     if lin.kind == "kda":
         return KimiDeltaAttention, KDAConfig(hidden_size=cfg.hidden_size, num_heads=lin.num_heads,
                                              head_dim=lin.head_dim, conv_kernel_size=lin.conv_kernel,
@@ -30,9 +39,9 @@ def linear_kind(cfg: MoEConfig):
 
 class LinearAttentionLayer(Sublayer):
     def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
-        kind, lc = linear_kind(cfg)
+        kind, lc = linear_kind(cfg, i)
         p = layer_prefix(i) + cfg.linear.prefix
-        self.i = i
+        self.i, self.cfg_kind = i, cfg.linear.kind
         names = linear_names(cfg, i)
         stored = {w[n].dtype for n in names if n in w and w[n].dim() == 2}
         self.layer = kind(lc, {n[len(p):]: take(w, n) for n in names}, name=f"layer {i}")
@@ -43,11 +52,11 @@ class LinearAttentionLayer(Sublayer):
         if dt is not None:
             self.layer.prepare(lambda t: Linear(t if keep is None else t.to(keep), None, dt, **linear_opts(w)))
 
-    # the fused CPU decode (layers/fused.py DeltaPart, tm_gdn_block) takes both kinds, Gated DeltaNet and KDA
+    # the fused CPU decode (layers/fused.py DeltaPart, tm_gdn_block) takes Gated DeltaNet and KDA
     fused_part = "linear"
 
     def fused_refusal(self) -> "str | None":
-        return None
+        return None if self.cfg_kind in ("kda", "gated_deltanet") else f"{self.cfg_kind} layers (no host kernel yet)"
 
     @classmethod
     def head_split(cls, cfg: MoEConfig, shard) -> HeadSplit:
@@ -55,6 +64,11 @@ class LinearAttentionLayer(Sublayer):
         recurrent state, so the state arena splits too. The low-rank first factors and the per-head output
         norm are replicated."""
         N, lin = shard.world, cfg.linear
+        if lin.kind == "mamba2":
+            return HeadSplit(why="Mamba-2 layers are not split over tensor-parallel ranks yet")
+        if lin.kind == "lightning":
+            return HeadSplit(why="lightning attention normalises every head's output together (one RMSNorm over "
+                                 "all heads): a rank holds only its heads")
         if lin.num_heads % N:
             return HeadSplit(why=f"{lin.num_heads} linear-attention heads do not split over {N} ranks")
         # the rank's config: MoEConfig's fields (its ``linear`` view is made from them)
@@ -72,6 +86,10 @@ class LinearAttentionLayer(Sublayer):
         H, K, W = lin.num_heads, lin.head_dim, lin.conv_kernel
         if lin.kind == "kda":               # keys and values of one size; q, k, v each convolved
             return StateCacheSpec(recurrent=(H, K, K), conv=(3 * H * K, W - 1))
+        if lin.kind == "lightning":         # no short convolution
+            return StateCacheSpec(recurrent=(H, K, K), conv=(0, 0))
+        if lin.kind == "mamba2":            # [P, N] per head; x | B | C convolved
+            return StateCacheSpec(recurrent=(H, K, lin.state_dim), conv=(H * K + 2 * lin.num_groups * lin.state_dim, W - 1))
         Hv, V = lin.num_v_heads, lin.value_head_dim     # Gated DeltaNet: a [Dk, Dv] memory per value head
         return StateCacheSpec(recurrent=(Hv, K, V), conv=(2 * H * K + Hv * V, W - 1))
 

@@ -35,12 +35,10 @@ class MLAttention(Sublayer):
         self.nh, self.nope, self.rope, self.vd, self.lat = (cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim,
                                                             m.v_head_dim, m.kv_lora_rank)
         self.scale = mla_softmax_scale(cfg)
-        # The projections as dense.py's Linear: on a CPU the host kernels' bf16 GEMV over the checkpoint's bf16
-        # weights (half the bytes a float32 copy reads) or --dense-quant's codes; torch.mm elsewhere. kv_b stays
-        # a tensor: decode absorbs it into the query and the output (einsums over its halves).
+        # The projections as dense.py's Linear (``projection``); kv_b stays a tensor: decode absorbs it into the
+        # query and the output (einsums over its halves).
         def lin(name: str) -> Linear:
-            t = take_raw(w, p + name + ".weight")
-            return Linear(t, None, compute_dtype(w, t), **linear_opts(w))
+            return projection(w, p + name + ".weight")
         if m.q_lora_rank:
             self.q_a, self.q_a_norm, self.q_b = (lin("q_a_proj"), RMSNorm(take(w, p + "q_a_layernorm.weight"), self.eps),
                                                  lin("q_b_proj"))
@@ -123,18 +121,24 @@ class MLAttention(Sublayer):
         return q * position_scale(ctx, *self.q_scale).to(q.device, q.dtype)[:, None, None]
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q = self._q(x).view(-1, self.nh, self.nope + self.rope)          # q: [tokens, heads, nope+rope]
+        return self._attend(x, self._scale_q(q, ctx), ctx)
+
+    def _attend(self, x: torch.Tensor, q: torch.Tensor, ctx: ForwardContext, keep=None) -> torch.Tensor:
+        """Attention of the queries q [tokens, heads, nope+rope] of x's tokens over their sequences' cached
+        latents, x's written first. ``keep``: the keys each query may attend to besides causality (DeepSeek sparse
+        attention's pick, layers/dsa.py) - decode [B, n] over ``ctx.read``, prefill one [new, ctx] per sequence;
+        None: every key before it."""
         nh, nope, rope, vd, lat = self.nh, self.nope, self.rope, self.vd, self.lat
-        q = self._q(x).view(-1, nh, nope + rope)                         # q: [tokens, heads, nope+rope]
-        q = self._scale_q(q, ctx)
         ckv = self.kv_a(x)                                               # ckv: [tokens, lat+rope]
         latent = self.kv_a_norm(ckv[:, :lat])
         k_rot = ckv[:, lat:]
         rot = self.rot
         K = ctx.kv[self.i].k                                             # K: [token slots, 1, lat+rope]
         if ctx.decode:
-            return self._decode(q, latent, k_rot, ctx, K)
+            return self._decode(q, latent, k_rot, ctx, K, keep)
         out = torch.empty(x.shape[0], nh, vd, dtype=x.dtype, device=x.device)
-        for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(ctx.seqs, ctx.spans, ctx.prefill, ctx.rope):
+        for j, (s, (a, b), (w_idx, r_idx), (cos, sin)) in enumerate(zip(ctx.seqs, ctx.spans, ctx.prefill, ctx.rope)):
             p0, n_new = s.length, b - a                                  # cos, sin: [new, rope]
             qr = torch.cat([q[a:b, :, :nope], rot(q[a:b, :, nope:], cos[:, None], sin[:, None])], dim=-1)
             K[w_idx, 0] = torch.cat([latent[a:b], rot(k_rot[a:b], cos, sin)], dim=-1)
@@ -143,16 +147,19 @@ class MLAttention(Sublayer):
             kv = F.linear(cache[:, :lat], self.kv_b).view(n_ctx, nh, nope + vd)
             k = torch.cat([kv[..., :nope], cache[:, None, lat:].expand(n_ctx, nh, rope)], dim=-1)   # [ctx, heads, qk]
             causal = torch.arange(n_ctx, device=x.device)[None, :] <= (torch.arange(n_new, device=x.device)[:, None] + p0)
+            if keep is not None:
+                causal = causal & keep[j]                                # causal: [new, ctx]
             o = F.scaled_dot_product_attention(qr.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                kv[..., nope:].transpose(0, 1)[None], attn_mask=causal,
                                                scale=self.scale)          # o: [1, heads, new, v]
             out[a:b] = o[0].transpose(0, 1)
         return self.o(out.reshape(-1, nh * vd))
 
-    def _decode(self, q, latent, k_rot, ctx: ForwardContext, K) -> torch.Tensor:
+    def _decode(self, q, latent, k_rot, ctx: ForwardContext, K, keep=None) -> torch.Tensor:
         """One token per sequence, all sequences at once, attending in the latent space: kv_b's key
         half is absorbed into the query and its value half applied after the weighted sum, so the
-        cached latents are never expanded to per-head keys and values (DeepSeek's weight absorption)."""
+        cached latents are never expanded to per-head keys and values (DeepSeek's weight absorption).
+        ``keep`` [B, n]: the keys each sequence's query may attend to (None: all up to its position)."""
         nh, nope, vd, lat = self.nh, self.nope, self.vd, self.lat
         B = len(ctx.seqs)
         rot = self.rot
@@ -166,10 +173,19 @@ class MLAttention(Sublayer):
         scores = (torch.einsum("bhl,bnl->bhn", q_lat, cache[..., :lat]) +
                   torch.einsum("bhr,bnr->bhn", q_rope, cache[..., lat:])) * self.scale
         mask = torch.arange(n, device=q.device)[None, :] <= ctx.pos[:, None]         # mask: [B, n]
+        if keep is not None:
+            mask = mask & keep
         p = scores.float().masked_fill(~mask[:, None, :], float("-inf")).softmax(-1).to(q.dtype)
         lctx = torch.einsum("bhn,bnl->bhl", p, cache[..., :lat])                      # [B, heads, lat]
         out = torch.einsum("bhl,hvl->bhv", lctx, wkv[:, nope:])                       # [B, heads, v]
         return self.o(out.reshape(B, nh * vd))
+
+
+def projection(w: dict, name: str) -> Linear:
+    """Weight ``name`` as dense.py's Linear: on a CPU the host kernels' bf16 GEMV over the checkpoint's bf16 weights
+    (half the bytes a float32 copy reads) or --dense-quant's codes; torch.mm elsewhere."""
+    t = take_raw(w, name)
+    return Linear(t, None, compute_dtype(w, t), **linear_opts(w))
 
 
 def position_scale(ctx: ForwardContext, beta: float, length: int) -> torch.Tensor:

@@ -95,6 +95,8 @@ class MoEBlock(Sublayer):
         takes a block without a latent projection or a hash table whose experts have the one-call path."""
         if self.latent_down is not None or self.hash is not None:
             return "LatentMoE or hash routing"
+        if self.cfg.router_scales_input:
+            return "router-scaled expert input (Llama 4)"
         if not self.executor.backend.fused:
             return "experts without a host kernel, or not float32"
         return None
@@ -199,8 +201,23 @@ class MoEBlock(Sublayer):
         d = dispatch(ids, self.cfg.num_experts, x.device)
         fetch = self.request(ctx, ids, d.used, d.counts, x)
         xin = x if self.latent_down is None else F.linear(x, self.latent_down)   # xin: [tokens, hidden or latent]
+        if self.cfg.router_scales_input:
+            return self.finish(self._scaled_input(fetch, xin, d, wts), x)
         out = self.executor.run_fused(fetch, xin, d, wts)
         if out is not None:
             return self.finish(out.to(x.dtype), x)
         ys = self.executor.run(self.moe_idx, fetch, xin[d.tok], d.off)  # rows: [T*k, hidden or latent]
         return self.combine(ys, d, wts, x)
+
+    def _scaled_input(self, fetch, xin: torch.Tensor, d: Dispatch, wts: torch.Tensor) -> torch.Tensor:
+        """Llama 4's experts: each reads its token's row times the router weight (a SwiGLU expert is not linear: not
+        the weight on its output), and a token's k outputs add up unweighted. xin: [T, in]; wts: [T, k] -> [T, out]."""
+        T, k = wts.shape
+        if k == 1:      # the released top-1: the rows scaled before the gather, the one-call path with weight 1
+            out = self.executor.run_fused(fetch, xin * wts.to(xin.dtype), d, torch.ones_like(wts))
+            if out is not None:
+                return out.to(xin.dtype)
+        w = torch.empty(T * k, dtype=xin.dtype, device=xin.device)
+        w[d.back] = wts.reshape(-1).to(xin.dtype)                        # w: [T*k], each sorted row's weight
+        ys = self.executor.run(self.moe_idx, fetch, xin[d.tok] * w[:, None], d.off)   # ys: [T*k, out] sorted
+        return ys[d.back].view(T, k, -1).sum(1)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: default RoPE, YaRN, DeepSeek's interleaved layout, MLA's softmax scale."""
+"""Rotary position embeddings: default RoPE, YaRN, Llama 3.1's scaling, DeepSeek's interleaved layout, MLA's
+softmax scale."""
 from __future__ import annotations
 
 import math
@@ -31,17 +32,19 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_frequencies(cfg: MoEConfig):
-    """Inverse frequencies over head_dim and the factor on cos/sin: default RoPE, or YaRN
-    (interpolate low frequencies by `factor`, keep high ones, a linear ramp between)."""
+    """Inverse frequencies over head_dim and the factor on cos/sin: default RoPE, YaRN (interpolate low
+    frequencies by `factor`, keep high ones, a linear ramp between) or Llama 3.1's scaling."""
     return inv_frequencies(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
 
 def inv_frequencies(dim: int, base: float, y: dict, max_positions: int):
     """(inverse frequencies [dim / 2], factor on cos / sin) of RoPE over ``dim`` channels with ``base``;
-    ``y``: {} or YaRN's parameters."""
+    ``y``: {}, YaRN's parameters or Llama 3.1's (rope_type llama3)."""
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if not y:
         return 1.0 / pos_freqs, 1.0
+    if y.get("rope_type") == "llama3":
+        return llama3_frequencies(1.0 / pos_freqs, y), 1.0
     factor = y.get("factor") or max_positions / y["original_max_position_embeddings"]
     att = y.get("attention_factor")
     if att is None:
@@ -63,6 +66,21 @@ def inv_frequencies(dim: int, base: float, y: dict, max_positions: int):
     extra = 1 - ramp                                   # 1: keep the original frequency
     inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
     return inv, float(att)
+
+
+def llama3_frequencies(inv: torch.Tensor, y: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling of the inverse frequencies inv [dim / 2]: wavelengths past
+    original_max_position_embeddings / low_freq_factor divided by ``factor``, those below ... / high_freq_factor
+    kept, a ramp between by how many wavelengths the original length holds. Equal low and high factors (Llama 4
+    Scout's) have no ramp: transformers' 0 / 0 there is never picked (its ``where``), nor is ours."""
+    factor, lo, hi = float(y["factor"]), float(y["low_freq_factor"]), float(y["high_freq_factor"])
+    old = float(y["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo) if hi != lo else torch.zeros_like(inv)
+    ramp = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, ramp, scaled)
 
 
 def mla_softmax_scale(cfg: MoEConfig) -> float:

@@ -90,7 +90,7 @@ def sqrtsoftplus(lf, cfg, bias, bonus):
 
 def logit_bias(lf, cfg, bias, bonus):
     """Kolibri: top-k of the logits + correction bias (the bias on the logits' scale, not the scores'); weights the
-    chosen logits' sigmoid, renormalised with norm_topk_prob."""
+    chosen logits' sigmoid, renormalised with norm_topk_prob. Llama 4: the same without a bias or renormalisation."""
     sel = lf + (bias.float() if bias is not None else 0.0) + (bonus if bonus is not None else 0.0)
     ids = sel.topk(cfg.top_k, dim=-1).indices
     w = lf.gather(1, ids).sigmoid()

@@ -276,6 +276,20 @@ ARCHS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "llama_4_scaling_beta": 0.1, "partial_rotary_factor": 0.5})),
+    # Granite 4 hybrid: Mamba-2 layers (4 heads of 32 channels, B and C in 2 groups of 8) around a NoPE attention layer,
+    # each with MoE + a shared MLP, Granite's multipliers away from 1.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, shared_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], mamba_n_heads=4, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=1.5, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # MiniMax: lightning attention on layers 0 and 2 (blocks of 4 tokens in transformers' prefill, so its block form
+    # crosses blocks), Mixtral attention on layer 1, and the normed residual with every (alpha, beta) away from 1.
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, head_dim=16, block_size=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        full_attn_alpha_factor=1.5, full_attn_beta_factor=0.8, linear_attn_alpha_factor=1.3, linear_attn_beta_factor=0.9,
+        mlp_alpha_factor=1.2, mlp_beta_factor=0.7, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
     # Kolibri 1: sandwich norms, per-head q/k norm, a sliding window (6 tokens) with RoPE on layers 0-1 and a NoPE global
     # layer, a router choosing on logits + bias with sigmoid weights, an ungated shared expert.
     "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", dict(
@@ -304,6 +318,43 @@ ARCHS = {
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14),
         projector_patch_to_query_dict={4: 8})),
+    # Llama 4's language model: a dense layer 0 and MoE layers 1-2 (top-2 by logit, the sigmoid weights scaling the
+    # experts' input; a shared expert); on layers 0-1 interleaved RoPE with Llama 3.1's scaling (each of its three
+    # frequency bands used), a weightless q/k norm and chunked attention (chunks of 8, shorter than the test's texts);
+    # layer 2 NoPE with the attention temperature (floor_scale 4: it grows inside the texts).
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, intermediate_size=24, intermediate_size_mlp=48, head_dim=16,
+        moe_layers=[1, 2], no_rope_layers=[1, 1, 0], attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # Llama 4 as released: that language model under text_config and language_model.*, in Maverick's form (MoE every
+    # second layer, top-1, no q/k norm, default RoPE, transformers' default NoPE layer: the fourth), a vision tower and
+    # projector beside it.
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration", dict(
+        text_config=dict(num_hidden_layers=4, num_local_experts=16, num_experts_per_tok=1, intermediate_size=24,
+                         intermediate_size_mlp=48, head_dim=16, interleave_moe_layer_step=2, use_qk_norm=False,
+                         attention_chunk_size=8, floor_scale=4, eos_token_id=None, bos_token_id=None, pad_token_id=None),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48,
+                           image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                           projector_output_dim=32))),
+    # DeepSeek-V3.2: DeepSeek-V3's MLA and MoE (YaRN as released) with DeepSeek Sparse Attention: the indexer (8 heads
+    # of 16, rotate-half RoPE) keeps 4 keys per query, fewer than the test's texts, so its pick changes the output.
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_key_value_heads=4, routed_scaling_factor=2.5, index_topk=4, index_n_heads=8, index_head_dim=16,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # GLM-5: the same with the indexer's RoPE interleaved, 5 keys per query, and layer 1 "shared" (no indexer: the
+    # keys layer 0 picked); GLM-5's router (one group) and rms_norm_eps.
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=32,
+        mlp_layer_types=["dense", "sparse", "sparse"], q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4, routed_scaling_factor=2.5, index_topk=5,
+        index_n_heads=8, index_head_dim=16, indexer_types=["full", "shared", "full"], eos_token_id=None,
+        bos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -440,7 +491,7 @@ RELEASED_LAYOUT = {"kimi_k25": _kimi_k25, "qwen3_vl_moe": _qwen3_vl_moe}
 
 # transformers binds fla's / causal_conv1d's kernels in place of its torch fallbacks when those packages import
 # (once, at import of the modeling module): the references here are the torch paths, whatever is installed.
-LINEAR_ATTENTION_MODULES = ("kimi_linear", "qwen3_next", "qwen3_5_moe")
+LINEAR_ATTENTION_MODULES = ("kimi_linear", "qwen3_next", "qwen3_5_moe", "granitemoehybrid")
 
 
 def _hub_fallback(obj):

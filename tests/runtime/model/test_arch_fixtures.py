@@ -303,6 +303,23 @@ BAD = [
     ("hunyuan_v1_moe", {"moe_topk": [2, 1, 2]}, r"moe_topk differs between layers \(\[2, 1, 2\]\)"),
     ("hunyuan_v1_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "dynamic RoPE without alpha"),
+    ("llama4_text", {"layer_types": ["chunked_attention", "sliding_attention", "full_attention"]},
+     "layer_types must give one of chunked_attention / full_attention for each of 3 layers"),
+    ("llama4_text", {"attention_chunk_size": 0}, "chunked_attention layers without an attention_chunk_size"),
+    ("llama4_text", {"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for 3 layers"),
+    ("llama4_text", {"floor_scale": 0}, "floor_scale 0 must be positive"),
+    ("llama4_text", {"sliding_window": 4}, "sliding_window is not supported for llama4_text"),
+    ("llama4_text", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     "llama3 RoPE needs factor, low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    ("llama4", {"model_type": "llama4_vision_model"},
+     "llama4 text_config model_type 'llama4_vision_model' is not supported"),
+    ("deepseek_v32", {"q_lora_rank": 0}, "indexer reads the q LoRA residual: it needs a q_lora_rank, got 0"),
+    ("deepseek_v32", {"index_topk": 0}, "needs positive index_n_heads and index_topk .* got 8 / 0 / 16"),
+    ("deepseek_v32", {"index_head_dim": 4}, "an index_head_dim of at least qk_rope_head_dim 8"),
+    ("deepseek_v32", {"scoring_func": "softmax"}, "scoring_func 'softmax' are not supported for deepseek_v32"),
+    ("glm_moe_dsa", {"indexer_types": ["shared", "full", "full"]}, "indexer_types starts with a shared layer"),
+    ("glm_moe_dsa", {"indexer_types": ["full", "sparse", "full"]}, "indexer_types must give 'full' or 'shared'"),
+    ("glm_moe_dsa", {"indexer_types": None, "index_topk_pattern": "FSX"}, "letters F .full. and S .shared."),
 ]
 
 
@@ -315,7 +332,7 @@ def test_unsupported_options_are_refused_by_name(arch, change, msg):
         dense_names(MoEConfig.from_dict(d, source="c.json"))
 
 
-@pytest.mark.parametrize("arch", ["kimi_k25", "qwen3_vl_moe", "glm4v_moe"])
+@pytest.mark.parametrize("arch", ["kimi_k25", "qwen3_vl_moe", "glm4v_moe", "llama4"])
 def test_multimodal_config_without_text_config(arch):
     with pytest.raises(ValueError, match=f"c.json: {arch} config.json has no text_config"):
         MoEConfig.from_dict({"model_type": arch}, source="c.json")

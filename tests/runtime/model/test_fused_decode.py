@@ -28,7 +28,8 @@ if kernels.lib() is None:
 # RoPE (V3), one q_proj with YaRN (V3 yarn), no RoPE (Kimi-Linear's full layer between its KDA layers)); Gated
 # DeltaNet and KDA through tm_gdn_block, Qwen3-Next's gated attention with partial RoPE through tm_attn_block; the
 # dense MLP layers (DeepSeek's first layer, Qwen3-Next's mlp_only_layers, Qwen3-MoE's layer 1) through the same
-# calls without a router
+# calls without a router; Llama 4's dense chunked-attention layers (its chunk's ring entries read, the weightless q/k
+# norm as ones; its MoE layers' router and its NoPE layers' q scale stay composed)
 ALL = [0, 1, 2]
 FUSED = {"mixtral": ALL, "qwen2_moe": ALL, "qwen3_moe": ALL, "olmoe": ALL, "glm4_moe": ALL, "minimax_m2": ALL,
          "gpt_oss": ALL, "ernie4_5_moe": [0], "deepseek_v3": ALL, "deepseek_v3_yarn": ALL, "deepseek_v2_lite": ALL,
@@ -38,11 +39,12 @@ FUSED = {"mixtral": ALL, "qwen2_moe": ALL, "qwen3_moe": ALL, "olmoe": ALL, "glm4
          "exaone_moe": ALL, "flint": ALL, "sarvam_mla": ALL,
          "sarvam_moe": ALL, "param2moe": ALL, "qwen3_omni_moe_thinker": ALL,
          "deepseek_ocr2": ALL, "granitemoe_swa": ALL, "mellum": [0],
-         "aria_text": ALL, "aria": ALL}
+         "aria_text": ALL, "aria": ALL, "llama4_text": [0], "llama4": [0, 2],
+         "granitemoehybrid": [1]}
 SLOW = {"qwen2_moe", "olmoe", "minimax_m2", "ernie4_5_moe", "solar_open", "minicpm5_moe", "glm4v_moe", "hy_v3",
         "granitemoe", "granitemoeshared", "exaone_moe", "flint", "sarvam_mla",
         "sarvam_moe", "param2moe", "qwen3_omni_moe_thinker", "deepseek_ocr2",
-        "granitemoe_swa", "mellum", "aria_text", "aria"}
+        "granitemoe_swa", "mellum", "aria_text", "aria", "llama4_text", "llama4", "granitemoehybrid"}
 
 
 @pytest.fixture(scope="module", params=[a if a not in SLOW else pytest.param(a, marks=pytest.mark.slow) for a in FUSED])

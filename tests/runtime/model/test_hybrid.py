@@ -86,4 +86,7 @@ def test_live_hybrid_decisions_equal_replay(hf_model, batch, policy, tmp_path):
     assert r["hits"]["device"] == snap["hits"]["device"], name
     assert r["host_compute"]["experts"] == snap["computed"]["host"], name
     assert r["accesses"] == sum(snap["computed"].values())
+    if k == 1 and batch == 1:     # one expert a layer at a time (Llama 4's top-1): moving it is always the cheaper
+        assert snap["computed"]["host"] == 0 and snap["bytes"]["host_to_device"] > 0, name
+        return
     assert 0 < snap["computed"]["host"] and snap["bytes"]["host_to_device"] > 0, "the decision should be mixed"
