@@ -117,6 +117,12 @@ class MoEConfig:
     # bias, expert biases and the clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), clamped at limit)
     attn_sinks: bool = False
     o_bias: bool = False
+    # MiMo-V2-Flash's GQA: values of a head dim of their own (0: head_dim), the sliding layers' own KV head count (0:
+    # num_kv_heads), sinks on the sliding layers only, and values scaled (folded into v_proj at load: fold_scales)
+    attn_v_head_dim: int = 0
+    window_kv_heads: int = 0
+    window_sinks_only: bool = False
+    attn_v_scale: float = 1.0
     router_bias: bool = False
     expert_bias: bool = False
     expert_act: str = "silu"           # silu (SwiGLU) | swiglu_clamp (gpt-oss) | silu_clamp (DeepSeek-V4: gate <= limit, |up| <= limit)
@@ -168,6 +174,9 @@ class MoEConfig:
             raise ValueError(f"{src}: norms after the sublayers with hyper-connections or attention residuals")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"{src}: qk_norm {self.qk_norm!r} is not one of {', '.join(QK_NORMS)}")
+        if self.window_kv_heads and self.num_heads % self.window_kv_heads:
+            raise ValueError(f"{src}: num_attention_heads {self.num_heads} is not a multiple of the sliding layers' "
+                             f"{self.window_kv_heads} key-value heads")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{src}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if self.top_k > self.num_experts:
@@ -248,6 +257,19 @@ class MoEConfig:
         """Layers whose cache grows with every token: the paged KV cache's."""
         win = set(self.window_layers) | set(self.v4_layers)
         return [i for i in self.attention_layers if i not in win]
+
+    def kv_heads_of(self, i: int) -> int:
+        """Key-value heads of attention layer ``i`` (MiMo-V2-Flash: its sliding layers have their own count)."""
+        return self.window_kv_heads if self.window_kv_heads and i in self.window_layers else self.num_kv_heads
+
+    @property
+    def attn_v_dim(self) -> int:
+        """GQA's value head dim."""
+        return self.attn_v_head_dim or self.head_dim
+
+    def sinks_on(self, i: int) -> bool:
+        """Whether attention layer ``i`` has sinks (gpt-oss: every layer; MiMo-V2-Flash: the sliding ones)."""
+        return self.attn_sinks and (not self.window_sinks_only or i in self.window_layers)
 
     @property
     def layer_norm_names(self) -> tuple:

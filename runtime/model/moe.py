@@ -68,7 +68,8 @@ def dense_tensors(cfg: MoEConfig) -> dict:
 def fold_scales(cfg: MoEConfig, dense: dict) -> None:
     """Granite's scalar multipliers folded into the dense weights once, in float32, each tensor back in its dtype:
     q (and its bias) x attention_multiplier * sqrt(head_dim) - the attention's own scale is head_dim ** -0.5 -;
-    o (a linear-attention layer's out_proj), a dense MLP's and the shared experts' down x residual_multiplier (the routed experts' through
+    o (a linear-attention layer's out_proj), a dense MLP's and the shared experts' down x residual_multiplier; v x
+    attn_v_scale (MiMo-V2-Flash) (the routed experts' through
     routed_scaling_factor, which the architecture sets to it); the embeddings x embedding_multiplier; the final
     norm / logits_scaling, and / embedding_multiplier where the head is the (scaled) embedding. The kernels and
     every backend then need no scalar of their own."""
@@ -82,6 +83,7 @@ def fold_scales(cfg: MoEConfig, dense: dict) -> None:
             if cfg.attention_multiplier:
                 scale(f"{p}self_attn.q_proj.{sfx}", cfg.attention_multiplier * cfg.head_dim ** 0.5)
             scale(f"{p}self_attn.o_proj.{sfx}", r)
+            scale(f"{p}self_attn.v_proj.{sfx}", cfg.attn_v_scale)    # MiMo-V2-Flash's value scale
             if i in cfg.linear_layers:       # Granite 4's Mamba-2 layers: their output projection
                 scale(f"{p}{cfg.linear_prefix}out_proj.{sfx}", r)
             scale(f"{p}{cfg.mlp_prefix}down_proj.{sfx}", r)

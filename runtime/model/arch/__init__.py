@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",
     "minimax": "minimax",
+    "mimo_v2_flash": "mimo_v2_flash",
     "granitemoehybrid": "granitemoehybrid",
     "deepseek_v2": "deepseek_v2",
     "kimi_k25": "kimi_k25",               # the multimodal release: its DeepSeek-V3 language model (text_config)

@@ -28,7 +28,9 @@ class Attention(Sublayer):
     def __init__(self, cfg: MoEConfig, i: int, w: dict) -> None:
         p = layer_prefix(i) + "self_attn."
         self.i, self.eps = i, cfg.rms_norm_eps
-        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.kv_heads_of(i), cfg.head_dim
+        self.vd = cfg.attn_v_dim                     # values' head dim (MiMo-V2-Flash: below q/k's)
+        self.own_kv = self.nkv != cfg.num_kv_heads   # MiMo-V2-Flash's sliding layers: KV heads of their own
         self.windowed, self.window = i in cfg.window_layers, cfg.sliding_window
         # Llama 4's chunked local attention: the ring of W holds the query's chunk of W positions, which is all it reads
         self.chunked = self.windowed and cfg.chunked_windows
@@ -69,7 +71,7 @@ class Attention(Sublayer):
         elif cfg.qk_norm in ("head", "head_post_rope"):   # per head: q and k weights stacked, one joint norm [heads + kv, hd]
             q, k = take(w, p + "q_norm.weight"), take(w, p + "k_norm.weight")
             self.qk_w = RMSNorm(torch.cat([q.expand(nh, -1), k.expand(self.nkv, -1)]), self.eps)
-        self.sinks = take(w, p + "sinks") if cfg.attn_sinks else None
+        self.sinks = take(w, p + "sinks") if cfg.sinks_on(i) else None
         # The per-architecture parts, once (no flag is tested in the forward): paged or ring, q/k norm,
         # partial RoPE, sinks, the output gate.
         self._attend = self._ring if self.windowed else self._paged
@@ -91,7 +93,8 @@ class Attention(Sublayer):
         # (The kernel rotates q and k itself: a norm after RoPE takes the torch ops.)
         self._decode = self._decode_host if (kernels.lib() is not None and qkv.device.type == "cpu"
                                              and dt == torch.float32 and self.qk_norm != "head_post_rope"
-                                             and (self.rotary_dim or hd) <= 1024) else self._decode_torch
+                                             and self.vd == hd and (self.rotary_dim or hd) <= 1024) \
+            else self._decode_torch
         self._sinks32 = None if self.sinks is None else self.sinks.float().contiguous()   # [nh], the kernel's
 
     def fused_refusal(self) -> "str | None":
@@ -100,6 +103,8 @@ class Attention(Sublayer):
         - on the step's one RoPE table and without a q scale."""
         if self.q_scale is not None:
             return "a position-dependent q scale (Llama 4's attention temperature)"
+        if self.vd != self.hd or self.own_kv:
+            return "a value head dim unlike the keys' or key-value heads of its own (MiMo-V2-Flash)"
         return "a RoPE of its own (the sliding layers' theta)" if self.own_rope else None
 
     @classmethod
@@ -107,6 +112,8 @@ class Attention(Sublayer):
         """q heads split into equal parts; kv heads split with them, or - fewer kv heads than ranks - each rank
         keeps the one its q heads read (replicated, as vLLM does)."""
         N, r = shard.world, shard.rank
+        if cfg.window_kv_heads or cfg.attn_v_head_dim:
+            return HeadSplit(why="key-value heads or value dims of their own per layer kind (MiMo-V2-Flash)")
         if cfg.qk_norm == "full":
             return HeadSplit(why="its q/k RMSNorm spans every head")
         if cfg.num_heads % N:
@@ -142,19 +149,20 @@ class Attention(Sublayer):
     @staticmethod
     def cache_spec(cfg: MoEConfig, i: int):
         """What the layer caches: k and v per token, or, sliding-window, a ring of its window."""
+        v = cfg.attn_v_head_dim if cfg.attn_v_dim != cfg.head_dim else 0
         if i in cfg.window_layers:
-            return WindowCacheSpec(cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
-        return TokenCacheSpec(cfg.num_kv_heads, cfg.head_dim)
+            return WindowCacheSpec(cfg.kv_heads_of(i), cfg.head_dim, cfg.sliding_window, v_dim=v)
+        return TokenCacheSpec(cfg.kv_heads_of(i), cfg.head_dim, v_dim=v)
 
     @staticmethod
     def tensors(cfg: MoEConfig, i: int) -> dict:
         """The checkpoint tensors this layer takes -> shape (convert's table is built from these)."""
         p, H = layer_prefix(i), cfg.hidden_size
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, nkv = cfg.num_heads * cfg.head_dim, cfg.kv_heads_of(i)
         qo = q * (2 if cfg.attn_output_gate else 1)      # gated attention: [q | gate] per head
-        return {p + "self_attn.q_proj.weight": (qo, H), p + "self_attn.k_proj.weight": (kv, H),
-                p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-                **attention_extras(cfg, p)}
+        return {p + "self_attn.q_proj.weight": (qo, H), p + "self_attn.k_proj.weight": (nkv * cfg.head_dim, H),
+                p + "self_attn.v_proj.weight": (nkv * cfg.attn_v_dim, H),
+                p + "self_attn.o_proj.weight": (H, cfg.num_heads * cfg.attn_v_dim), **attention_extras(cfg, p, i)}
 
     # -- pieces ----------------------------------------------------------------------------------
     @staticmethod
@@ -177,7 +185,7 @@ class Attention(Sublayer):
 
     def _out_gated(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Output projection after the sigmoid gate that follows q | k | v in qkv (Qwen3-Next)."""
-        return self.o(out * torch.sigmoid(qkv[:, (self.nh + 2 * self.nkv) * self.hd:]))
+        return self.o(out * torch.sigmoid(qkv[:, (self.nh + self.nkv) * self.hd + self.nkv * self.vd:]))
 
     def _sdpa_plain(self, q, k, v, mask) -> torch.Tensor:
         """q: [B, heads, Tq, hd]; k, v: [B, kv_heads, n, hd]; mask: bool, broadcast to [B, heads, Tq, n]."""
@@ -190,11 +198,11 @@ class Attention(Sublayer):
         [heads, Tq, n] scores tensor of ours (pp512 of the gpt-oss shape: 13 vs 35 ms a layer, 1 thread)."""
         B, nh, Tq, hd = q.shape
         n = k.shape[2]
-        z = k.new_zeros(B, k.shape[1], 1, hd)
+        z, zv = k.new_zeros(B, k.shape[1], 1, hd), v.new_zeros(B, v.shape[1], 1, v.shape[-1])
         bias = torch.zeros(B, nh, Tq, n + 1, dtype=q.dtype)              # bias: [B, heads, Tq, n + 1]
         bias[..., :n].masked_fill_(~mask, float("-inf"))
         bias[..., n] = self.sinks.view(1, nh, 1).to(q.dtype)
-        return F.scaled_dot_product_attention(q, torch.cat([k, z], 2), torch.cat([v, z], 2), attn_mask=bias,
+        return F.scaled_dot_product_attention(q, torch.cat([k, z], 2), torch.cat([v, zv], 2), attn_mask=bias,
                                               enable_gqa=True)
 
     def _q_scaled(self, qk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -206,11 +214,11 @@ class Attention(Sublayer):
     def _qkv(self, x: torch.Tensor):
         """One matmul for q, k and v (their weights concatenated at build); q and k then stay one
         tensor through their norm and RoPE (per-head ops: the same numbers, half the ops).
-        Returns qkv [tokens, ...], qk [tokens, heads + kv, hd], v [tokens, kv, hd]."""
-        nkv, hd = self.nkv, self.hd
+        Returns qkv [tokens, ...], qk [tokens, heads + kv, hd], v [tokens, kv, vd]."""
+        nkv, hd, vd = self.nkv, self.hd, self.vd
         nq = self.nh + nkv
         qkv = self.qkv(x)
-        v = qkv[:, nq * hd:(nq + nkv) * hd].view(-1, nkv, hd)
+        v = qkv[:, nq * hd:nq * hd + nkv * vd].view(-1, nkv, vd)
         return qkv, self._qk(qkv), v
 
     def _qk_plain(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -243,7 +251,7 @@ class Attention(Sublayer):
         if ctx.decode:
             return self._decode(qk, v, ctx, K, V)
         dev = qk.device
-        out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=dev)
+        out = torch.empty(qk.shape[0], nh, self.vd, dtype=qk.dtype, device=dev)
         for s, (a, b), (w_idx, r_idx), (cos, sin) in zip(ctx.seqs, ctx.spans, ctx.prefill, self._heads(ctx)):
             p0, n_new = s.length, b - a
             qks = self._rotate(qk[a:b], cos, sin)                        # qks: [new, heads + kv, hd]
@@ -255,7 +263,7 @@ class Attention(Sublayer):
             causal = torch.arange(n_ctx, device=dev)[None, :] <= qpos
             o = self._sdpa(qks[:, :nh].transpose(0, 1)[None], kk[None], vv[None], causal)   # o: [1, heads, new, hd]
             out[a:b] = o[0].transpose(0, 1)
-        return out.reshape(-1, nh * hd)
+        return out.reshape(-1, nh * self.vd)
 
     def _decode_torch(self, qk, v, ctx: ForwardContext, K, V) -> torch.Tensor:
         """One token per sequence: one write and one batched product for all of them. qk: [B, heads + kv,
@@ -266,7 +274,7 @@ class Attention(Sublayer):
         K[ctx.write] = qk[:, nh:]                                        # k: [B, kv, hd]
         V[ctx.write] = v
         kk, vv = K[ctx.read].transpose(1, 2), V[ctx.read].transpose(1, 2)   # [B, kv, n, hd]
-        return self._sdpa(qk[:, :nh, None], kk, vv, decode_mask(ctx)).reshape(B, nh * self.hd)
+        return self._sdpa(qk[:, :nh, None], kk, vv, decode_mask(ctx)).reshape(B, nh * self.vd)
 
     def _decode_host(self, qk, v, ctx: ForwardContext, K, V, at: "tuple | None" = None) -> torch.Tensor:
         """Decode on a CPU in one host-kernel call (runtime/kernels: RoPE, the k / v writes and the
@@ -315,8 +323,8 @@ class Attention(Sublayer):
             RK[slots, at] = qk[:, nh:]
             RV[slots, at] = v
             kk, vv = RK[slots].transpose(1, 2), RV[slots].transpose(1, 2)   # [B, kv, W, hd]
-            return self._sdpa(qk[:, :nh, None], kk, vv, ring_mask(ctx, W, self.chunked)).reshape(B, nh * hd)
-        out = torch.empty(qk.shape[0], nh, hd, dtype=qk.dtype, device=qk.device)
+            return self._sdpa(qk[:, :nh, None], kk, vv, ring_mask(ctx, W, self.chunked)).reshape(B, nh * self.vd)
+        out = torch.empty(qk.shape[0], nh, self.vd, dtype=qk.dtype, device=qk.device)
         for s, (a, b), (cos, sin) in zip(ctx.seqs, ctx.spans, self._heads(ctx)):
             p0, n = s.length, b - a
             qks = self._rotate(qk[a:b], cos, sin)                        # qks: [n, heads + kv, hd]
@@ -335,20 +343,21 @@ class Attention(Sublayer):
             m = min(n, W)                                                # the last W tokens stay in the ring
             RK[s.state, (new[n - m:] % W)] = qks[n - m:, nh:]
             RV[s.state, (new[n - m:] % W)] = v[b - m:b]
-        return out.reshape(-1, nh * hd)
+        return out.reshape(-1, nh * self.vd)
 
 
-def attention_extras(cfg: MoEConfig, p: str) -> dict:
-    """Biases, sinks and q/k norms of an attention layer whose tensors start with ``p``."""
+def attention_extras(cfg: MoEConfig, p: str, i: "int | None" = None) -> dict:
+    """Biases, sinks and q/k norms of attention layer ``i`` (None: an MLA layer) whose tensors start with ``p``."""
     H, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    nkv = cfg.num_kv_heads if i is None else cfg.kv_heads_of(i)
+    q, kv = cfg.num_heads * hd, nkv * hd
     out = {}
     if cfg.qkv_bias:
         out.update({p + "self_attn.q_proj.bias": (q * (2 if cfg.attn_output_gate else 1),),
-                    p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+                    p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (nkv * cfg.attn_v_dim,)})
     if cfg.o_bias:
         out[p + "self_attn.o_proj.bias"] = (H,)
-    if cfg.attn_sinks:
+    if cfg.attn_sinks if i is None else cfg.sinks_on(i):
         out[p + "self_attn.sinks"] = (cfg.num_heads,)
     if cfg.qk_norm in ("head", "head_post_rope"):
         out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})

@@ -57,14 +57,17 @@ class TokenCacheSpec:
     heads: int
     dim: int
     with_v: bool = True
+    v_dim: int = 0             # values' head dim where it differs from the keys' (MiMo-V2-Flash); 0: dim
 
     def bytes_per_token(self, dtype) -> int:
-        return self.heads * self.dim * torch.tensor([], dtype=dtype).element_size() * (2 if self.with_v else 1)
+        v = (self.v_dim or self.dim) if self.with_v else 0
+        return self.heads * (self.dim + v) * torch.tensor([], dtype=dtype).element_size()
 
     def cache_tensors(self) -> dict:
-        """k (and v): [token slots, heads, dim], a row per position in the sequence's blocks."""
+        """k (and v): [token slots, heads, dim] (v: [token slots, heads, v_dim]), a row per position in the
+        sequence's blocks."""
         t = CacheTensor((self.heads, self.dim), "block")
-        return {"k": t, "v": t} if self.with_v else {"k": t}
+        return {"k": t, "v": CacheTensor((self.heads, self.v_dim or self.dim), "block")} if self.with_v else {"k": t}
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,17 @@ class WindowCacheSpec:
     dim: int
     window: int
     with_v: bool = True
+    v_dim: int = 0             # as TokenCacheSpec's
 
     def bytes_per_sequence(self, dtype) -> int:
-        return self.window * TokenCacheSpec(self.heads, self.dim, self.with_v).bytes_per_token(dtype)
+        return self.window * TokenCacheSpec(self.heads, self.dim, self.with_v, self.v_dim).bytes_per_token(dtype)
 
     def cache_tensors(self) -> dict:
-        """k (and v): [slots, window, heads, dim], position p at p % window."""
+        """k (and v): [slots, window, heads, dim] (v: ... v_dim), position p at p % window."""
         t = CacheTensor((self.window, self.heads, self.dim), "slot")
-        return {"k": t, "v": t} if self.with_v else {"k": t}
+        if not self.with_v:
+            return {"k": t}
+        return {"k": t, "v": CacheTensor((self.window, self.heads, self.v_dim or self.dim), "slot")}
 
 
 @dataclass(frozen=True)

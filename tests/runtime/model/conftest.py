@@ -283,6 +283,14 @@ ARCHS = {
         layer_types=["linear_attention", "full_attention", "linear_attention"], mamba_n_heads=4, mamba_n_groups=2,
         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=2.0, residual_multiplier=0.5,
         attention_multiplier=0.2, logits_scaling=1.5, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # MiMo-V2-Flash: q/k heads of 24 (RoPE on the first 8 of them, theta 5e6 full / 1e4 sliding), values of 16 scaled
+    # by 0.707, a full first layer and sliding (6 tokens) layers 1-2 with twice the KV heads and sinks; DeepSeek-V3's
+    # router without shared experts, a dense first layer.
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, moe_intermediate_size=32, head_dim=24,
+        v_head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.0, attention_bias=True,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
     # MiniMax: lightning attention on layers 0 and 2 (blocks of 4 tokens in transformers' prefill, so its block form
     # crosses blocks), Mixtral attention on layer 1, and the normed residual with every (alpha, beta) away from 1.
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
@@ -421,7 +429,7 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
     M = getattr(transformers, model_cls)
     torch.manual_seed(seed)
     c = hf_config(name)
-    if name.startswith(("gpt_oss", "flint", "granitemoe_swa")):
+    if name.startswith(("gpt_oss", "flint", "granitemoe_swa", "mimo_v2_flash")):
         c._attn_implementation = "eager"   # transformers' sink-aware attention on CPU
     m = M(c).eval()
     if name == "qwen3_omni_moe_thinker":
@@ -440,7 +448,7 @@ def build_hf(name: str, out_dir: str, seed: int = 0):
             if n.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn(p.shape) * 0.05)
         for n, p in m.named_parameters():   # Granite SWA's sinks start at zero: make them matter
-            if name == "granitemoe_swa" and n.endswith(".sinks"):
+            if name in ("granitemoe_swa", "mimo_v2_flash") and n.endswith(".sinks"):
                 p.copy_(torch.randn(p.shape))
         for n, b in m.named_buffers():   # DeepSeek-V4's token -> experts table: distinct experts per token, as shipped
             if n.endswith("tid2eid"):
