@@ -32,13 +32,19 @@ class WeightSpec:
         return WeightSpec(d["name"], tuple(int(x) for x in d["shape"]), d["format"], dict(d.get("params") or {}))
 
 
-def expert_weight_specs(H: int, I: int, fmt: WeightFormat, bias_dtype: "torch.dtype | None" = None) -> list:
+def expert_weight_specs(H: int, I: int, fmt: WeightFormat, bias_dtype: "torch.dtype | None" = None,
+                        gated: bool = True) -> list:
     """The logical weights of one SwiGLU expert (gate and up [I, H], down [H, I]). Dense experts
     keep gate and up fused ([2I, H]: one matmul); quantized ones keep them apart, since a scale
     tile must not straddle them (fp8's 128-row tiles) - they are dequantized into the two halves
-    of one scratch, so the matmul is still one."""
+    of one scratch, so the matmul is still one. ``gated`` False (Nemotron-H's relu^2 experts): up and
+    down only, in any format."""
     p = fmt.params()
-    if fmt.quantized:
+    if not gated:
+        if bias_dtype is not None:
+            raise ValueError("expert biases are read for gated experts only (gpt-oss's gate_up / down biases)")
+        out = [WeightSpec("up", (I, H), fmt.name, p), WeightSpec("down", (H, I), fmt.name, p)]
+    elif fmt.quantized:
         out = [WeightSpec("gate", (I, H), fmt.name, p), WeightSpec("up", (I, H), fmt.name, p),
                WeightSpec("down", (H, I), fmt.name, p)]
     else:
@@ -76,7 +82,8 @@ def encode_expert(weights: list, tensors: dict) -> dict:
 
 @dataclass
 class ExpertWeights:
-    """Float operands of one expert for ``x @ w``: gate_up_t [in, 2I] (gate | up), down_t [I, out]."""
+    """Float operands of one expert for ``x @ w``: gate_up_t [in, 2I] (gate | up; an ungated expert's: up alone,
+    [in, I]), down_t [I, out]."""
     gate_up_t: torch.Tensor
     down_t: torch.Tensor
     gate_up_bias: "torch.Tensor | None" = None
@@ -102,13 +109,16 @@ class ExpertCodec:
         self._keys = {w.name: [(p.suffix, f"{w.name}.{p.suffix}") for p in w.fmt.parts(w.shape)] for w in weights}
         self.quantized = any(f.quantized for f in self.fmts.values())
         self.fused = "gate_up" in self.specs
-        if not self.fused and not {"gate", "up"} <= set(self.specs):
-            raise ValueError(f"expert blob has weights {sorted(self.specs)}: expected gate_up or gate + up, and down")
+        # an ungated expert (Nemotron-H's relu^2): up and down only; its operand is up's rows where gate | up's are
+        self.gated = self.fused or "gate" in self.specs
+        if not self.fused and "up" not in self.specs:
+            raise ValueError(f"expert blob has weights {sorted(self.specs)}: expected gate_up, gate + up or up, and down")
         if "down" not in self.specs:
             raise ValueError(f"expert blob has weights {sorted(self.specs)}: no down projection")
         H_out, I = self.specs["down"].shape
-        H_in = self.specs["gate_up"].shape[1] if self.fused else self.specs["gate"].shape[1]
+        H_in = self.specs["gate_up" if self.fused else "up"].shape[1]
         self.shapes = (H_in, I, H_out)
+        R = self.rows = 2 * I if self.gated else I                      # rows of the [gate |] up operand
         half = any(not f.quantized and f.dtype in (torch.bfloat16, torch.float16) for f in self.fmts.values())
         if compute_dtype is None:
             compute_dtype = torch.float32 if self.device.type == "cpu" and (self.quantized or half) else dtype
@@ -117,14 +127,14 @@ class ExpertCodec:
         self._idx = None
         f32 = dict(dtype=torch.float32, device=self.device)
         if self.quantized:
-            self._gu = torch.empty(2 * I, H_in, **f32)                   # [2I, in]: gate rows | up rows
+            self._gu = torch.empty(R, H_in, **f32)                       # [2I, in]: gate rows | up rows (or up's)
             self._dn = torch.empty(H_out, I, **f32)
             same = compute_dtype == torch.float32
-            self._gu_c = self._gu if same else torch.empty(2 * I, H_in, dtype=compute_dtype, device=self.device)
+            self._gu_c = self._gu if same else torch.empty(R, H_in, dtype=compute_dtype, device=self.device)
             self._dn_c = self._dn if same else torch.empty(H_out, I, dtype=compute_dtype, device=self.device)
-            self._idx = torch.empty(max(2 * I * H_in, H_out * I) // 2, dtype=torch.int32, device=self.device)
+            self._idx = torch.empty(max(R * H_in, H_out * I) // 2, dtype=torch.int32, device=self.device)
         elif self.widen:   # input-major like the blob: one contiguous copy each
-            self._gu_c = torch.empty(H_in, 2 * I, dtype=compute_dtype, device=self.device)
+            self._gu_c = torch.empty(H_in, R, dtype=compute_dtype, device=self.device)
             self._dn_c = torch.empty(I, H_out, dtype=compute_dtype, device=self.device)
         # Converted operands kept per expert key, least recently used dropped first: widening a bf16
         # expert costs as much as its matmuls at decode's few tokens (a third of a CPU decode step),
@@ -138,7 +148,7 @@ class ExpertCodec:
     def operand_bytes(self) -> int:
         """Bytes of one expert's float operands in the compute dtype (one cache entry)."""
         H_in, I, H_out = self.shapes
-        n = 2 * I * H_in + I * H_out + (2 * I + H_out if "down_bias" in self.specs else 0)
+        n = self.rows * H_in + I * H_out + (2 * I + H_out if "down_bias" in self.specs else 0)
         return n * self.compute_dtype.itemsize
 
     @property
@@ -200,15 +210,18 @@ class ExpertCodec:
     def _convert(self, views: dict) -> ExpertWeights:
         cd = self.compute_dtype
         bias = tuple(None if b is None else b.to(cd) for b in (views.get("gate_up_bias.t"), views.get("down_bias.t")))
+        gu = "gate_up.t" if self.gated else "up.t"
         if not self.quantized:
             if not self.widen:
-                return ExpertWeights(views["gate_up.t"], views["down.t"], *bias)
-            self._gu_c.copy_(views["gate_up.t"])
+                return ExpertWeights(views[gu], views["down.t"], *bias)
+            self._gu_c.copy_(views[gu])
             self._dn_c.copy_(views["down.t"])
             return ExpertWeights(self._gu_c, self._dn_c, *bias)
         I = self.shapes[1]
         if self.fused:
             self._deq("gate_up", views, self._gu)
+        elif not self.gated:
+            self._deq("up", views, self._gu)
         else:
             self._deq("gate", views, self._gu[:I])
             self._deq("up", views, self._gu[I:])

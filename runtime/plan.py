@@ -207,7 +207,7 @@ def model_shape(model_dir: str, expert_format: "str | None" = None) -> tuple:
         expert_format = {None: "bf16", "mxfp4": "mxfp4", "compressed-tensors": "int4",
                          "fp8": "mxfp4" if getattr(sq, "expert_dtype", "fp8") == "fp4" else "fp8_e4m3"}[sq.method]
     weights = expert_weight_specs(cfg.expert_in, cfg.expert_intermediate, get_format(expert_format),
-                                  torch.bfloat16 if cfg.expert_bias else None)
+                                  torch.bfloat16 if cfg.expert_bias else None, cfg.gated_experts)
     tensors, nbytes = Manifest.layout(blob_tensor_specs(weights))
     m = Manifest(model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
                  num_experts=cfg.num_experts, tensors=tensors, blob_bytes=nbytes, blob_stride=_align(nbytes),

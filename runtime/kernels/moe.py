@@ -21,11 +21,14 @@ Q8_FORMATS = ("mxfp4", "int4", "int8")   # formats --host-act-quant q8 computes 
 # tokens/s at 1 thread and 2373 vs 1079 at 2 with the reference path past 64 rows (AVX512-VNNI EPYC).
 MAX_ROWS = {"dense": 32, "quantized": 64, "q8": 1 << 30}
 ACT_QUANT = ("none", "q8")
+ACTS = {"swiglu": 0, "swiglu_clamp": 1, "silu_clamp": 2}   # the kernel's activations (moe_cpu.c's act codes)
 
 
 def unsupported(weights: list, H_in: int, I: int) -> "str | None":
     """Why the kernel cannot compute experts of these blob weights (None: it can)."""
     by = {w.name: w for w in weights}
+    if "gate_up" not in by and "gate" not in by:
+        return "experts without a gate projection (up and down only: relu^2) have no host kernel"
     mats = [by[n] for n in ("gate_up", "gate", "up", "down") if n in by]
     fmts = {(w.format, tuple(sorted((k, str(v)) for k, v in w.params.items()))) for w in mats}
     if len(fmts) != 1:
@@ -77,7 +80,9 @@ class HostMoE:
         a.bo, a.bi = int(block[0]), int(block[1])
         bias = by.get("gate_up_bias")
         a.bias_fmt = FMT_CODES[bias.format] if bias is not None else -1
-        a.act = {"swiglu": 0, "swiglu_clamp": 1, "silu_clamp": 2}[act]
+        if act not in ACTS:
+            raise ValueError(f"expert activation {act!r} has no host kernel (it has {', '.join(ACTS)})")
+        a.act = ACTS[act]
         a.limit, a.alpha = float(limit or 0.0), float(alpha or 0.0)
         a.H_in, a.I, a.H_out = int(H_in), int(I), int(H_out)
         if w.format in _CODES:

@@ -126,6 +126,12 @@ class MoEConfig:
     router_bias: bool = False
     expert_bias: bool = False
     expert_act: str = "silu"           # silu (SwiGLU) | swiglu_clamp (gpt-oss) | silu_clamp (DeepSeek-V4: gate <= limit, |up| <= limit)
+                                       # | relu2 (Nemotron-H: relu(up x)^2, no gate: experts of up and down only)
+    mlp_act: str = "silu"              # the dense MLPs' and shared experts': silu (SwiGLU) | relu2 (ungated, as expert_act)
+    # Layers with one sublayer (Nemotron-H, whose blocks are a mixer or an FFN alone; arch/nemotron_h.py): the
+    # attention / the FFN of these layers is empty - it adds nothing and has no norm (layers/absent.py)
+    empty_attn_layers: list = field(default_factory=list)
+    empty_ffn_layers: list = field(default_factory=list)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     # DeepSeek-V4 (attention = "v4"): each layer's kind - sliding (a window only), csa (the window + an
@@ -181,8 +187,13 @@ class MoEConfig:
             raise ValueError(f"{src}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if self.top_k > self.num_experts:
             raise ValueError(f"{src}: num_experts_per_tok {self.top_k} exceeds the {self.num_experts} experts")
-        if self.expert_act not in ("silu", "swiglu_clamp", "silu_clamp"):
+        if self.expert_act not in ("silu", "swiglu_clamp", "silu_clamp", "relu2"):
             raise ValueError(f"{src}: unknown expert activation {self.expert_act!r}")
+        if self.mlp_act not in ("silu", "relu2"):
+            raise ValueError(f"{src}: unknown MLP activation {self.mlp_act!r}")
+        if len(self.expert_tensors) != (3 if self.gated_experts else 2):
+            raise ValueError(f"{src}: expert tensors {self.expert_tensors} do not fit {self.expert_act} experts")
+        self._check_empty_sublayers()
         if self.router not in ROUTERS:
             raise ValueError(f"{src}: unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
@@ -203,6 +214,31 @@ class MoEConfig:
                           (DSAFields, self.sparse_mla)):
             if has:
                 view.of(self)
+
+    def _check_empty_sublayers(self) -> None:
+        """Empty sublayers: in range, never both in one layer, never a MoE / linear-attention layer's, and only on the
+        plain pre-norm stream (the other residual schemes and norm placements run both sublayers of every layer)."""
+        src, ea, ef = self.source, set(self.empty_attn_layers), set(self.empty_ffn_layers)
+        if not ea and not ef:
+            return
+        if any(not 0 <= i < self.num_layers for i in ea | ef) or ea & ef:
+            raise ValueError(f"{src}: empty attention layers {sorted(ea)} / FFN layers {sorted(ef)} must be layers of "
+                             f"0..{self.num_layers - 1}, no layer in both")
+        if ef & set(self.moe_layers) or ea & set(self.linear_layers):
+            raise ValueError(f"{src}: a MoE layer without an FFN or a linear-attention layer without attention")
+        if self.norm_placement != "pre" or self.hc_mult or self.attn_res_block_layers:
+            raise ValueError(f"{src}: layers with an empty sublayer need the plain pre-norm residual stream")
+
+    @property
+    def gated_experts(self) -> bool:
+        """Whether an expert has a gate projection (every activation but Nemotron-H's relu2)."""
+        return self.expert_act != "relu2"
+
+    def layer_norms(self, i: int) -> tuple:
+        """Layer ``i``'s norm weights (``layer_norm_names``) but an empty sublayer's, which has none."""
+        gone = {self.layer_norm_names[0]} if i in self.empty_attn_layers else set()
+        gone |= {self.layer_norm_names[1]} if i in self.empty_ffn_layers else set()
+        return tuple(n for n in self.layer_norm_names if n not in gone)
 
     # -- per-family views (config_views.py): the fields one layer family reads, validated together -----
     def _view(self, cls, has: bool):
@@ -244,7 +280,7 @@ class MoEConfig:
     @property
     def attention_layers(self) -> list:
         """Layers with softmax attention (full, sliding-window or MLA)."""
-        lin = set(self.linear_layers)
+        lin = set(self.linear_layers) | set(self.empty_attn_layers)
         return [i for i in range(self.num_layers) if i not in lin]
 
     @property

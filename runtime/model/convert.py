@@ -265,6 +265,13 @@ def read_linear(ck: "Checkpoint", name: str, shape: tuple, sq: ShippedQuant):
     return None, t
 
 
+def stored_names(cfg: MoEConfig):
+    """The architecture's release names for ours (``Checkpoint``'s aliases), or None: its ``stored_names``, or - where
+    they depend on the config (Nemotron-H's layers pair its blocks) - ``stored_names_of(cfg)``."""
+    arch = module(cfg.model_type)
+    return arch.stored_names_of(cfg) if hasattr(arch, "stored_names_of") else getattr(arch, "stored_names", None)
+
+
 def read_dense(ck: "Checkpoint", name: str, shape: tuple, sq: ShippedQuant, dtype: torch.dtype) -> torch.Tensor:
     """A non-expert tensor, dequantized into ``dtype`` where it is shipped quantized."""
     if len(shape) == 2 and (sq.method in ("fp8", "compressed-tensors")):
@@ -345,19 +352,22 @@ def _fused_layer(ck: "Checkpoint", cfg: MoEConfig, layer: int):
 
 
 def expert_error(weights: list, raw: dict, src: dict, dtype=torch.float32, n: int = 8, seed: int = 0) -> float:
-    """Relative error ||y_q - y|| / ||y|| of one expert's SwiGLU output on ``n`` random inputs,
-    the stored (quantized) weights against the float ones they were made from."""
+    """Relative error ||y_q - y|| / ||y|| of one expert's output on ``n`` random inputs - SwiGLU, or relu^2 for an
+    ungated expert (Nemotron-H's: up and down only) -, the stored (quantized) weights against the float ones they
+    were made from."""
     codec = ExpertCodec(weights, torch.float32, "cpu")
     deq = codec.dequantize_all(raw)
     H = codec.shapes[0]
     x = torch.randn(n, H, generator=torch.Generator().manual_seed(seed))
 
     def run(g, u, d):
-        return (torch.nn.functional.silu(x @ g.float().t()) * (x @ u.float().t())) @ d.float().t()
+        h = x @ u.float().t()
+        h = torch.relu(h).square() if g is None else torch.nn.functional.silu(x @ g.float().t()) * h
+        return h @ d.float().t()
 
     I = codec.shapes[1]
-    gq, uq = (deq["gate"], deq["up"]) if "gate" in deq else (deq["gate_up"][:I], deq["gate_up"][I:])
-    y = run(src["gate"], src["up"], src["down"])
+    gq, uq = (deq.get("gate"), deq["up"]) if "up" in deq else (deq["gate_up"][:I], deq["gate_up"][I:])
+    y = run(src.get("gate"), src["up"], src["down"])
     return float((run(gq, uq, deq["down"]) - y).norm() / y.norm().clamp_min(1e-30))
 
 
@@ -401,11 +411,12 @@ def _expert_reader(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant"):
 
 
 def _expert_format(probe: dict, sq: "ShippedQuant", quantize: "str | None", model_dir: str):
-    """(format, shipped?, source) of the store's experts, from the first expert as read."""
-    if isinstance(probe["gate"], (tuple, dict)):
-        fmt = probe["gate"][0] if isinstance(probe["gate"], tuple) else get_format("mxfp4")
+    """(format, shipped?, source) of the store's experts, from the first expert as read (its up projection: every
+    expert has one)."""
+    if isinstance(probe["up"], (tuple, dict)):
+        fmt = probe["up"][0] if isinstance(probe["up"], tuple) else get_format("mxfp4")
         return fmt, True, f"shipped {sq.method}"
-    dt = probe["gate"].dtype
+    dt = probe["up"].dtype
     if dt not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{model_dir}: expert weights are {dt} without a quantization_config this tiered-moe reads; "
                          f"supported quant_method: {', '.join(QUANT_METHODS)}")
@@ -424,18 +435,19 @@ def _write_experts(writer, cfg: MoEConfig, logical, fmt, shipped: bool, weights:
     for m, layer in enumerate(cfg.moe_layers):
         for e in range(cfg.num_experts):
             w = logical(layer, e)
-            for k in ("gate", "up", "down"):
+            mats = [k for k in ("gate", "up", "down") if k in w]     # an ungated expert (Nemotron-H) has no gate
+            for k in mats:
                 v = w[k]
                 if isinstance(v, tuple):
                     if v[0].name != fmt.name or v[0].params() != fmt.params():
                         raise ValueError(f"{model_dir}: layer {layer} expert {e} {k} is {v[0].name} {v[0].params()}, "
                                          f"the first expert's is {fmt.name} {fmt.params()}: mixed expert formats")
                     w[k] = v[1]
-            if not fmt.quantized:
+            if not fmt.quantized and "gate" in w:
                 w["gate_up"] = torch.cat([w.pop("gate"), w.pop("up")], 0)
-            elif not shipped:
+            elif fmt.quantized and not shipped:
                 # contiguous: gpt-oss's gate and up are every other row of its fused tensor (strided views)
-                src = {k: w[k].contiguous() for k in ("gate", "up", "down")}
+                src = {k: w[k].contiguous() for k in mats}
                 w.update({k: fmt.quantize(v) for k, v in src.items()})
             writer.write(m, e, w)
             if quantize and (e < 4 or e % 16 == 0):   # a sample of experts per layer
@@ -489,13 +501,13 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
     if quantize is not None and sq.method is not None:
         raise ValueError(f"{model_dir}: the checkpoint is already quantized ({sq.method}); its experts are stored as shipped - "
                          f"drop --quantize (re-quantizing quantized weights would only add error)")
-    ck = Checkpoint(model_dir, cfg.lm_prefix, cfg.lm_head_name, getattr(module(cfg.model_type), "stored_names", None))
+    ck = Checkpoint(model_dir, cfg.lm_prefix, cfg.lm_head_name, stored_names(cfg))
     logical = _expert_reader(ck, cfg, sq)
     probe = logical(cfg.moe_layers[0], 0)
     fmt, shipped, source = _expert_format(probe, sq, quantize, model_dir)
     bias_dtype = probe["down_bias"].dtype if "down_bias" in probe else None
     try:
-        weights = expert_weight_specs(cfg.expert_in, cfg.expert_intermediate, fmt, bias_dtype)
+        weights = expert_weight_specs(cfg.expert_in, cfg.expert_intermediate, fmt, bias_dtype, cfg.gated_experts)
     except ValueError as e:
         raise ValueError(f"{model_dir}: {e}") from None
     writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,

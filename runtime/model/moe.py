@@ -22,7 +22,8 @@ from .layers.cache import KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheS
 from .layers.kinds import attention_kind, cache_specs, kv_bytes_per_token, state_bytes_per_sequence
 from .layers.context import NO_HOOKS, ForwardContext, StepHooks, build_context, rope_heads_of
 from .hyper import HyperConnection
-from .layers.mlp import DenseMLP
+from .layers.absent import Absent
+from .layers.mlp import mlp_kind
 from .layers.experts import ExpertExecutor
 from .layers.moe_block import MoEBlock
 from .layers.norm import RMSNorm, rms_norm
@@ -55,13 +56,13 @@ def dense_tensors(cfg: MoEConfig) -> dict:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_layers):
         p = layer_prefix(i)
-        out.update({p + n: (H,) for n in cfg.layer_norm_names})
+        out.update({p + n: (H,) for n in cfg.layer_norms(i)})
         out.update(layer_residual_tensors(cfg, p))
         out.update(attention_kind(cfg, i).tensors(cfg, i))
         if i in cfg.moe_layers:
             out.update(MoEBlock.tensors(cfg, i))
-        else:
-            out.update(DenseMLP.tensors(p + cfg.mlp_prefix, cfg.dense_intermediate, H))
+        elif i not in cfg.empty_ffn_layers:
+            out.update(mlp_kind(cfg).tensors(p + cfg.mlp_prefix, cfg.dense_intermediate, H))
     return out
 
 
@@ -152,10 +153,12 @@ class MoEModel:
         split = tp.plan if tp is not None and tp.plan.shard.world > 1 else None
         if i in self.moe_index:
             ffn = MoEBlock(cfg, i, self.moe_index[i], w, self.experts, self.executor)
+        elif i in cfg.empty_ffn_layers:
+            ffn = Absent()                   # a layer of a mixer alone (Nemotron-H): no FFN
         elif split is not None and split.dense_mlp == "rank0" and split.shard.rank:
             ffn = Skipped()                  # rank 0 computes this dense MLP alone (layers/parallel.py)
         else:
-            ffn = DenseMLP(w, pre + cfg.mlp_prefix)
+            ffn = mlp_kind(cfg)(w, pre + cfg.mlp_prefix)
         if split is not None:
             attn = Reduced(attn, tp.all_reduce) if split.attn_split[i] else attn
             ffn = Reduced(ffn, tp.all_reduce) if split.ffn_split[i] else ffn
@@ -164,7 +167,8 @@ class MoEModel:
         hc = (HyperConnection(cfg, w, pre + "attn_hc."), HyperConnection(cfg, w, pre + "ffn_hc.")) if cfg.hc_mult \
             else (None, None)
         eps = cfg.rms_norm_eps
-        an, fn, *out = [RMSNorm(take(w, pre + n), eps) for n in cfg.layer_norm_names]
+        kept = cfg.layer_norms(i)            # an empty sublayer has no norm (None)
+        an, fn, *out = [RMSNorm(take(w, pre + n), eps) if n in kept else None for n in cfg.layer_norm_names]
         rs = cfg.residual_scales
         scales = ((rs["linear"] if i in cfg.linear_layers else rs["attention"]), rs["ffn"]) \
             if cfg.norm_placement == "normed" else None

@@ -10,8 +10,10 @@ from .config import MoEConfig
 
 
 def expert_names(cfg: MoEConfig, layer: int, e: int) -> dict:
+    """Expert ``e``'s weights by role: gate, up, down - up and down alone for an ungated expert (Nemotron-H)."""
     p = f"model.layers.{layer}.{cfg.mlp_prefix}experts.{e}."
-    return {role: f"{p}{t}.weight" for role, t in zip(("gate", "up", "down"), cfg.expert_tensors)}
+    roles = ("gate", "up", "down") if cfg.gated_experts else ("up", "down")
+    return {role: f"{p}{t}.weight" for role, t in zip(roles, cfg.expert_tensors)}
 
 
 def router_name(cfg: MoEConfig, layer: int) -> str:

@@ -36,8 +36,8 @@ class DecoderLayer:
     index: int
     attn: object
     ffn: object
-    input_norm: RMSNorm
-    post_norm: RMSNorm
+    input_norm: "RMSNorm | None"       # None: the attention is empty (layers/absent.py), and so is its norm
+    post_norm: "RMSNorm | None"        # None: the FFN is empty
     attn_query: "torch.Tensor | None" = None
     mlp_query: "torch.Tensor | None" = None
     attn_hc: "HyperConnection | None" = None
@@ -54,12 +54,24 @@ class DecoderLayer:
             self.composed = self.composed_sandwich
         elif self.scales is not None:
             self.composed = self.composed_normed
+        elif getattr(self.attn, "empty", False):   # one sublayer (Nemotron-H's unpaired blocks): the other is skipped
+            self.composed = self.composed_ffn_only
+        elif getattr(self.ffn, "empty", False):
+            self.composed = self.composed_attn_only
         if self.forward is None:
             self.forward = self.composed
 
     def composed(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """The plain residual stream through this layer's sublayers. x: [tokens, hidden]."""
         x = x + self.attn(self.input_norm(x), ctx)
+        return x + self.ffn(self.post_norm(x), ctx)
+
+    def composed_attn_only(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """... with an empty FFN: x += attn(norm(x))."""
+        return x + self.attn(self.input_norm(x), ctx)
+
+    def composed_ffn_only(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """... with an empty attention: x += ffn(norm(x))."""
         return x + self.ffn(self.post_norm(x), ctx)
 
     def composed_sandwich(self, x: torch.Tensor, ctx) -> torch.Tensor:

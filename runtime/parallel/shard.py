@@ -83,7 +83,7 @@ def plan(cfg: MoEConfig, shard: Shard) -> ShardPlan:
     lin = set(cfg.linear_layers)
     kinds = {i: attention_kind(cfg, i) for i in range(cfg.num_layers)}
     splits = {k: k.head_split(cfg, shard) for k in set(kinds.values())}
-    soft = next((splits[kinds[i]] for i in range(cfg.num_layers) if i not in lin), HeadSplit())
+    soft = next((splits[kinds[i]] for i in cfg.attention_layers), HeadSplit())   # (not an empty attention's)
     linear_split = next((splits[kinds[i]] for i in sorted(lin)), None)
     changes = {"expert_intermediate": cfg.expert_intermediate // N}
     for sp in splits.values():
@@ -100,7 +100,8 @@ def plan(cfg: MoEConfig, shard: Shard) -> ShardPlan:
     local = dataclasses.replace(cfg, **changes)
     linear = "none" if linear_split is None else "replicated" if linear_split.why else "split"
     attn_split = tuple(not splits[kinds[i]].why for i in range(cfg.num_layers))
-    ffn_split = tuple(N > 1 for _ in range(cfg.num_layers))   # experts always split; dense MLPs split or rank 0's
+    # experts always split; dense MLPs split or rank 0's; an empty FFN (Nemotron-H) has nothing to split
+    ffn_split = tuple(N > 1 and i not in cfg.empty_ffn_layers for i in range(cfg.num_layers))
     return ShardPlan(shard, local, attn_split, ffn_split, None if soft.why else soft.kv_heads, dense_mlp, shared,
                      soft.why, linear)
 

@@ -69,6 +69,7 @@ ARCHITECTURES = {
     "llama4": "llama4",                   # the multimodal release: its language model (text_config)
     "deepseek_v32": "deepseek_v32",
     "glm_moe_dsa": "glm_moe_dsa",         # DeepSeek-V3.2's model, layers sharing an indexer
+    "nemotron_h": "nemotron_h",           # Nemotron-H / Nemotron 3: a mixer block and the FFN block after it per layer
 }
 
 

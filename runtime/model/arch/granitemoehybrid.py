@@ -18,6 +18,15 @@ sliced = granitemoeshared.sliced
 RELEASED_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
+def check_time_step_limit(value, src: str) -> None:
+    """Mamba-2's dt clamp (``time_step_limit``, None: the default): refused unless the default (0, inf)."""
+    # transformers writes the infinite bound as {"__float__": "Infinity"} (JSON has no inf)
+    limit = tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in (value or (0.0, float("inf"))))
+    if limit != (0.0, float("inf")):
+        raise ValueError(f"{src}: time_step_limit {list(limit)} is not supported (transformers clamps dt in its prefill "
+                         f"scan but not in its decode step; only the default (0, inf) reads alike in both)")
+
+
 def config(d: dict, common: dict, need) -> dict:
     L, src = common["num_layers"], common["source"]
     kinds = [RELEASED_KINDS.get(k, k) for k in (d.get("layer_types") or d.get("layers_block_type")
@@ -25,12 +34,7 @@ def config(d: dict, common: dict, need) -> dict:
     check_layer_kinds(kinds, d, src)
     if not int(d.get("num_local_experts", 8) or 0):
         raise ValueError(f"{src}: num_local_experts 0 (a dense Granite 4 hybrid) is not a mixture of experts")
-    # transformers writes the infinite bound as {"__float__": "Infinity"} (JSON has no inf)
-    limit = tuple(float(v["__float__"] if isinstance(v, dict) else v)
-                  for v in (d.get("time_step_limit") or (0.0, float("inf"))))
-    if limit != (0.0, float("inf")):
-        raise ValueError(f"{src}: time_step_limit {list(limit)} is not supported (transformers clamps dt in its prefill "
-                         f"scan but not in its decode step; only the default (0, inf) reads alike in both)")
+    check_time_step_limit(d.get("time_step_limit"), src)
     H = int(d.get("mamba_n_heads", 128))
     inner = int(d.get("mamba_expand", 2)) * common["hidden_size"]
     head = d.get("mamba_d_head", "auto")

@@ -41,15 +41,21 @@ def record_host_share(fetch, experts: list, rows: list, t0: float) -> None:
         fetch.store.record_host_compute((time.perf_counter() - t0) * host_rows / max(1, sum(rows)))
 
 
+# MoEConfig.expert_act -> the host kernel's activation (HostMoE ``act``); the others have none
+HOST_ACTS = {"silu": "swiglu", "swiglu_clamp": "swiglu_clamp", "silu_clamp": "silu_clamp"}
+
+
 def host_kernel(cfg: MoEConfig, weights: list, act_quant: str = "none"):
     """(HostMoE or None, why not): the grouped CPU kernel for this expert layout."""
     if kernels.lib() is None:
         kernels.warn_once()
         return None, kernels.unavailable()
+    act = HOST_ACTS.get(cfg.expert_act)
+    if act is None:     # refused by name: the reference path computes it
+        return None, f"expert activation {cfg.expert_act} has no host kernel"
     why = unsupported(weights, cfg.expert_in, cfg.expert_intermediate)
     if why is not None:
         return None, why
-    act = {"swiglu_clamp": "swiglu_clamp", "silu_clamp": "silu_clamp"}.get(cfg.expert_act, "swiglu")
     H_out = next(w.shape[0] for w in weights if w.name == "down")
     return HostMoE(weights, cfg.expert_in, cfg.expert_intermediate, H_out, act, cfg.swiglu_limit, cfg.swiglu_alpha,
                    act_quant), None
@@ -72,7 +78,12 @@ def _silu_clamp(h: torch.Tensor, I: int, cfg: MoEConfig) -> torch.Tensor:
     return F.silu(h[:, :I].clamp(max=lim)) * h[:, I:].clamp(-lim, lim)
 
 
-ACTIVATIONS = {"silu": _silu, "swiglu_clamp": _swiglu_clamp, "silu_clamp": _silu_clamp}
+def _relu2(h: torch.Tensor, I: int, cfg: MoEConfig) -> torch.Tensor:
+    """Nemotron-H: no gate - h [n, I] is up's output; relu(h)^2."""
+    return torch.relu(h).square()
+
+
+ACTIVATIONS = {"silu": _silu, "swiglu_clamp": _swiglu_clamp, "silu_clamp": _silu_clamp, "relu2": _relu2}
 
 
 class ExpertExecutor:
@@ -110,7 +121,7 @@ class ExpertExecutor:
     def ffn(self, t, x: torch.Tensor, out: "torch.Tensor | None" = None) -> torch.Tensor:
         """One expert on its tokens. t: ExpertWeights (compute dtype); x: [n, hidden or latent];
         out: where to write y (same shape as x), else a new tensor. Returns y."""
-        h = torch.mm(x, t.gate_up_t)                                     # h: [n, 2I] = gate | up
+        h = torch.mm(x, t.gate_up_t)                                     # h: [n, 2I] = gate | up (ungated: [n, I])
         if t.gate_up_bias is not None:
             h += t.gate_up_bias
         h = self._act(h, self.I, self.cfg)                               # h: [n, I]

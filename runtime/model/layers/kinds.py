@@ -5,6 +5,7 @@ It sits above the kinds (they import ``layers/cache.py`` for their specs), so no
 from __future__ import annotations
 
 from ..config import MoEConfig
+from .absent import Absent
 from .attention import Attention
 from .dsa import DSAttention
 from .linear import LinearAttentionLayer
@@ -14,6 +15,8 @@ from .v4_attention import V4Attention
 
 def attention_kind(cfg: MoEConfig, i: int):
     """The attention class of layer ``i``: the one place the config picks it."""
+    if i in cfg.empty_attn_layers:      # a layer of an FFN alone (Nemotron-H)
+        return Absent
     if i in cfg.linear_layers:
         return LinearAttentionLayer
     if cfg.attention == "v4":

@@ -1,4 +1,5 @@
-"""The dense SwiGLU MLP: dense layers, and the shared experts beside a MoE block."""
+"""The dense MLPs: dense layers, and the shared experts beside a MoE block - SwiGLU (``DenseMLP``), or Nemotron-H's
+ungated relu^2 (``UngatedMLP``), as ``MoEConfig.mlp_act`` says (``mlp_kind``)."""
 from __future__ import annotations
 
 import torch
@@ -51,3 +52,41 @@ class DenseMLP(Sublayer):
 
     def _swiglu_clamped(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return F.silu(g.clamp(max=self.limit)) * u.clamp(-self.limit, self.limit)
+
+
+class UngatedMLP(Sublayer):
+    """Nemotron-H's MLP (its dense blocks and the shared expert): down(relu(up x)^2), no gate. Not a ``DenseMLP``: the
+    fused decode's MLP kernel computes SwiGLU only, so a layer with this one runs composed (the protocol's
+    refusal)."""
+
+    def __init__(self, w: dict, prefix: str, limit: float = 0.0) -> None:
+        up = take_raw(w, prefix + "up_proj.weight")
+        self.inter = up.shape[0]
+        self.up = Linear(up, None, compute_dtype(w, up), **linear_opts(w))
+        self.down = Linear(take_raw(w, prefix + "down_proj.weight"), None, compute_dtype(w, up), **linear_opts(w))
+
+    @staticmethod
+    def tensors(prefix: str, inter: int, hidden: int) -> dict:
+        return {prefix + "up_proj.weight": (inter, hidden), prefix + "down_proj.weight": (hidden, inter)}
+
+    @staticmethod
+    def shard_tensors(out: dict, prefix: str, inter: int, how: str, shard) -> None:
+        """As ``DenseMLP.shard_tensors``: up by rows of the rank's part of the intermediate axis, down by the same
+        columns (``split``), or whole on rank 0 (``rank0``)."""
+        up, down = prefix + "up_proj.weight", prefix + "down_proj.weight"
+        if how == "rank0":
+            if shard.rank:
+                out.pop(up, None)
+                out.pop(down, None)
+            return
+        a, b = shard.part(inter)
+        out[up], out[down] = rows(out[up], a, b), cols(out[down], a, b)
+
+    def __call__(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        # x: [tokens, hidden]
+        return self.down(torch.relu(self.up(x)).square())               # relu(up x)^2: [tokens, inter]
+
+
+def mlp_kind(cfg):
+    """The MLP class of a config's dense layers and shared experts (``mlp_act``)."""
+    return UngatedMLP if cfg.mlp_act == "relu2" else DenseMLP

@@ -15,7 +15,7 @@ from ..config import MoEConfig
 from ..names import correction_bias_name, router_name
 from .context import ForwardContext
 from .experts import ExpertExecutor, weighted_sum
-from .mlp import DenseMLP
+from .mlp import mlp_kind
 from .protocol import Sublayer
 from .router import CORRECTION_BIAS, ROUTERS, hash_weights, route
 from .dense import Linear
@@ -84,8 +84,8 @@ class MoEBlock(Sublayer):
         p = layer_prefix(i) + cfg.mlp_prefix
         self.latent_down = take(w, p + "latent_down.weight") if cfg.latent_dim else None
         self.latent_up = take(w, p + "latent_up.weight") if cfg.latent_dim else None
-        self.shared = DenseMLP(w, layer_prefix(i) + cfg.shared_prefix,
-                               limit=cfg.swiglu_limit if cfg.expert_act == "silu_clamp" else 0.0) \
+        self.shared = mlp_kind(cfg)(w, layer_prefix(i) + cfg.shared_prefix,
+                                    limit=cfg.swiglu_limit if cfg.expert_act == "silu_clamp" else 0.0) \
             if cfg.shared_intermediate else None
         self.shared_gate = Linear(take_raw(w, layer_prefix(i) + "mlp.shared_expert_gate.weight"), None, dt) \
             if cfg.shared_expert_gate else None
@@ -116,7 +116,7 @@ class MoEBlock(Sublayer):
         elif cfg.router in CORRECTION_BIAS and cfg.correction_bias_tensor:    # "": a router without one (Flint)
             out[correction_bias_name(cfg, i)] = CORRECTION_BIAS[cfg.router](E)
         if cfg.shared_intermediate:
-            out.update(DenseMLP.tensors(p + cfg.shared_prefix, cfg.shared_intermediate, H))
+            out.update(mlp_kind(cfg).tensors(p + cfg.shared_prefix, cfg.shared_intermediate, H))
             if cfg.shared_expert_gate:
                 out[p + "mlp.shared_expert_gate.weight"] = (1, H)
         return out

@@ -41,6 +41,7 @@ def cols(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
 
 class Sublayer:
     reads_rope_heads = False   # GQA layers read cos / sin broadcast over heads: the model builds them per forward
+    empty = False              # an empty sublayer (layers/absent.py): adds nothing, the decoder layer skips it
     fused_part = None          # the attention kinds the fused decode takes: their key in layers/fused.py's ATTENTION_PARTS
 
     def fused_refusal(self) -> "str | None":

@@ -363,6 +363,18 @@ ARCHS = {
         qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4, routed_scaling_factor=2.5, index_topk=5,
         index_n_heads=8, index_head_dim=16, indexer_types=["full", "shared", "full"], eos_token_id=None,
         bos_token_id=None, pad_token_id=None)),
+    # Nemotron-H / Nemotron 3: blocks "ME-*M*EM-E*-M" (one mixer or FFN each) - every letter, paired onto 9 layers of
+    # ours: each mixer with each FFN kind, an MLP and a MoE block after no mixer (empty attention), Mamba-2 and NoPE
+    # attention blocks before another mixer or last (empty FFN); the first block a mixer, as released (transformers
+    # 5.25's cache reads its length from block 0's); Mamba-2 of 4 heads of 16 (B and C in 2 groups of 8), DeepSeek-V3's
+    # router over ungated relu^2 experts, a relu^2 shared expert.
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        layers_block_type=[{"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}[c]
+                           for c in "ME-*M*EM-E*-M"],
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, head_dim=16, mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None)),
 }
 
 
@@ -499,7 +511,7 @@ RELEASED_LAYOUT = {"kimi_k25": _kimi_k25, "qwen3_vl_moe": _qwen3_vl_moe}
 
 # transformers binds fla's / causal_conv1d's kernels in place of its torch fallbacks when those packages import
 # (once, at import of the modeling module): the references here are the torch paths, whatever is installed.
-LINEAR_ATTENTION_MODULES = ("kimi_linear", "qwen3_next", "qwen3_5_moe", "granitemoehybrid")
+LINEAR_ATTENTION_MODULES = ("kimi_linear", "qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h")
 
 
 def _hub_fallback(obj):

@@ -1,5 +1,6 @@
 """Prefix caching on models with per-sequence state (issue 21): Gated DeltaNet, Kimi Delta Attention, lightning
-attention and Mamba-2 hybrids (recurrent state; Mamba-2's convolution state too), gpt-oss and MiMo-V2-Flash
+attention and Mamba-2 hybrids (recurrent state; Mamba-2's convolution state too; Nemotron-H's layers with an empty
+sublayer, which cache nothing), gpt-oss and MiMo-V2-Flash
 (sliding-window rings beside full attention; MiMo's values narrower than its keys) and DeepSeek-V4 (window rings and
 the compressors' open windows beside compressed entries): the state is snapshotted at block boundaries and a shared
 prefix skips its prefill from the deepest one - with the outputs of the cache off."""
@@ -18,7 +19,8 @@ SYSTEM, N = 120, 6
 @pytest.fixture(scope="module", params=["qwen3_next", "gpt_oss", pytest.param("kimi_linear", marks=pytest.mark.slow),
                                         "deepseek_v4", pytest.param("minimax", marks=pytest.mark.slow),
                                         pytest.param("granitemoehybrid", marks=pytest.mark.slow),
-                                        pytest.param("mimo_v2_flash", marks=pytest.mark.slow)])
+                                        pytest.param("mimo_v2_flash", marks=pytest.mark.slow),
+                                        pytest.param("nemotron_h", marks=pytest.mark.slow)])
 def stateful_store(request, tmp_path_factory):
     from runtime.model.convert import convert
     d = str(tmp_path_factory.mktemp(request.param))
