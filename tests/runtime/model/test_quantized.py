@@ -282,6 +282,10 @@ def write_mxfp4_gpt_oss(hf_dir, out_dir):
 LAYOUTS = {"gpt_oss_mxfp4": ("gpt_oss", write_mxfp4_gpt_oss, "mxfp4"),
            "deepseek_v3_fp8": ("deepseek_v3", write_fp8_deepseek, "fp8_e4m3"),
            "qwen3_moe_fp8": ("qwen3_moe", write_fp8_deepseek, "fp8_e4m3"),     # Qwen's FP8 releases: the same layout
+           # DeepSeek-V3.2 (its indexer's projections too), GLM-5 and MiMo-V2-Flash ship DeepSeek-V3's FP8 layout
+           "deepseek_v32_fp8": ("deepseek_v32", write_fp8_deepseek, "fp8_e4m3"),
+           "glm_moe_dsa_fp8": ("glm_moe_dsa", write_fp8_deepseek, "fp8_e4m3"),
+           "mimo_v2_flash_fp8": ("mimo_v2_flash", write_fp8_deepseek, "fp8_e4m3"),
            "kimi_k2_int4": ("deepseek_v3", write_int4_kimi, "int4")}
 
 
