@@ -218,7 +218,7 @@ def _load():
         return None, f"kernel library of ABI {lib.tm_version()}, this runtime speaks {ABI_VERSION}"
     lib.tm_isa.restype = ctypes.c_int
     lib.tm_set_spin_us.argtypes = [ctypes.c_int64]
-    lib.tm_set_spin_us(int(os.environ.get("TIERED_MOE_SPIN_US", "2000")))
+    lib.tm_set_spin_us(int(os.environ.get("TIERED_MOE_SPIN_US", "2000")))     # decode's (spin_for)
     lib.tm_q8_ldd.argtypes = [ctypes.c_int64]
     lib.tm_q8_ldd.restype = ctypes.c_int64
     if ISA_NAMES[lib.tm_isa()] != isa:   # the compiler ignored a flag: say so rather than mislabel
@@ -316,6 +316,19 @@ def set_threads(n: int) -> None:
 
 def threads() -> int:
     return _state.get("threads", 1)
+
+
+def spin_for(decode: bool) -> None:
+    """The pool's workers spin between jobs (TIERED_MOE_SPIN_US, 2 ms) in a decode step - its kernels come tens of
+    microseconds apart -, and sleep at once after each job in a prefill, whose torch ops thread over the same
+    cores with OpenMP: a worker spinning there leaves every parallel torch op waiting for its slower half (the
+    Qwen3-Next-shaped bf16 pp512 ran no faster at 2 threads than at 1). Calls the library only on a change."""
+    want = int(os.environ.get("TIERED_MOE_SPIN_US", "2000")) if decode else 0
+    if _state.get("spin_us") != want:
+        handle = lib()
+        if handle is not None:
+            handle.tm_set_spin_us(want)
+            _state["spin_us"] = want
 
 
 def reset() -> None:

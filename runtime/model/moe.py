@@ -102,6 +102,7 @@ class MoEModel:
         it runs the model layers ``tp.layers`` only - the hidden states come from the stage before and go to
         the stage after (``tp.pipe``); the first stage embeds, the last one computes the logits."""
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
+        self.on_host = torch.device(device).type == "cpu"
         self.tp = tp
         lo, hi = tp.layers if tp is not None and tp.layers is not None else (0, cfg.num_layers)
         self.layer_ids = range(lo, hi)
@@ -317,6 +318,8 @@ class MoEModel:
                              "KVManager.for_model)")
         self.kv.check(seqs, chunks)           # the blocks are the engine's KVManager's to give: none are taken here
         ctx = build_context(seqs, chunks, self.kv, self.rope, rope_heads=self.gqa, device=self.device, hooks=hooks)
+        if self.on_host:
+            kernels.spin_for(ctx.decode)      # the kernels' pool spins between decode's kernels only
         if self.window_rope is not None:
             ctx.window_rope_heads = rope_heads_of(ctx, self.window_rope, self.device)
         ids = torch.tensor(flat, device=self.device)

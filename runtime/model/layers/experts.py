@@ -15,6 +15,7 @@ expert (no copy); only a device that is not the CPU gets a worker."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -31,6 +32,40 @@ def weighted_sum(ys: torch.Tensor, back: torch.Tensor, wts: torch.Tensor) -> tor
     by its weights wts [T, k] (cheaper than index_add_ on CPU) -> [T, out]."""
     T, k = wts.shape
     return (ys[back].view(T, k, -1) * wts[:, :, None].to(ys.dtype)).sum(1)
+
+
+_POOL: "ThreadPoolExecutor | None" = None
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)      # OpenMP's thread count is per thread: the caller keeps its own
+
+
+def expert_parallel(fn, jobs: list) -> None:
+    """fn(part) over ``jobs`` (expert, first row, rows) split into torch.get_num_threads() parts of about equal
+    rows, each part in a worker thread whose torch ops run single-threaded (torch releases the GIL inside them);
+    with one thread, or one job, fn(jobs) here."""
+    global _POOL
+    N = min(torch.get_num_threads(), len(jobs))
+    if N <= 1:
+        fn(jobs)
+        return
+    if _POOL is None or _POOL._max_workers < N:
+        _POOL = ThreadPoolExecutor(max_workers=N, thread_name_prefix="tm-experts", initializer=_one_thread)
+    total, parts, acc, cut = sum(j[2] for j in jobs), [], 0, 0
+    for i, j in enumerate(jobs):             # contiguous parts, cut where the running row count passes k/N of all
+        acc += j[2]
+        if acc * N >= total * (len(parts) + 1) and len(parts) < N - 1:
+            parts.append(jobs[cut:i + 1])
+            cut = i + 1
+    parts.append(jobs[cut:])
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def run(part):                           # the caller's autograd modes, which are per thread too
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            fn(part)
+    for f in [_POOL.submit(run, p) for p in parts if p]:
+        f.result()
 
 
 def record_host_share(fetch, experts: list, rows: list, t0: float) -> None:
@@ -152,18 +187,32 @@ class ExpertExecutor:
     def grouped_bf16(self, views: list, row0: list, rows: list, xs: torch.Tensor, ys: torch.Tensor) -> None:
         """bf16 experts on many rows with bf16 activations (the fast setting; llama.cpp's for BF16 weights):
         the blobs' bf16 tensors as they lie, the rows rounded to bf16 once, products accumulated in float32
-        and rounded to bf16 (oneDNN), the activation on those. Four torch calls an expert: at a few dozen rows
-        an expert, the calls are what a prompt's experts cost besides the matmuls. Writes every row of ys
-        (rows of other experts with junk). xs, ys: [T*k, hidden or latent] float32."""
+        and rounded to bf16 (oneDNN), the activation on those. Each expert's gate | up product lands in its rows
+        of one buffer and the activation runs once over all of them: per expert, only its two matmuls (at a few
+        dozen rows an expert, per-expert elementwise ops cost about what the matmuls do, and do not thread).
+        With more than one intra-op thread the experts are split over threads, each matmul on one
+        (``expert_parallel``), as llama.cpp splits a layer's experts: a few dozen rows do not thread well inside
+        one matmul. Writes every row of ys (rows of other experts with junk). xs, ys: [T*k, hidden or
+        latent] float32."""
         xb = xs.to(torch.bfloat16)                                       # xb: [T*k, in]
         yb = torch.empty(ys.shape, dtype=torch.bfloat16)                 # yb: [T*k, out]
-        for v, a, n in zip(views, row0, rows):
-            h = torch.mm(xb[a:a + n], v["gate_up.t"])                    # h: [n, 2I] bf16 (blob: [in, 2I])
-            if "gate_up_bias.t" in v:
-                h += v["gate_up_bias.t"]
-            y = torch.mm(self._act(h, self.I, self.cfg), v["down.t"], out=yb[a:a + n])   # [n, out]
-            if "down_bias.t" in v:
-                y += v["down_bias.t"]
+        h = torch.empty(xs.shape[0], views[0]["gate_up.t"].shape[1], dtype=torch.bfloat16)   # h: [T*k, 2I] (or I)
+
+        def up(jobs):
+            for v, a, n in jobs:
+                torch.mm(xb[a:a + n], v["gate_up.t"], out=h[a:a + n])    # blob: [in, 2I]
+                if "gate_up_bias.t" in v:
+                    h[a:a + n] += v["gate_up_bias.t"]
+        jobs = list(zip(views, row0, rows))
+        expert_parallel(up, jobs)
+        act = self._act(h, self.I, self.cfg)                             # act: [T*k, I]
+
+        def down(jobs):
+            for v, a, n in jobs:
+                y = torch.mm(act[a:a + n], v["down.t"], out=yb[a:a + n])     # [n, out]
+                if "down_bias.t" in v:
+                    y += v["down_bias.t"]
+        expert_parallel(down, jobs)
         ys.copy_(yb)
 
     def run(self, m: int, fetch, xs: torch.Tensor, off: list) -> torch.Tensor:

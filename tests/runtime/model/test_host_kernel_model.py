@@ -93,7 +93,63 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-def test_bf16_activations_past_the_gemv_follow_their_definition(bf16):
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def torch_threads(request):
+    """torch's intra-op threads for one test (2: the bf16 experts split over threads, experts.expert_parallel)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_expert_parallel_splits_jobs_over_single_threaded_workers(torch_threads):
+    """Every job once, in order within contiguous parts of about equal rows; with 2 threads the parts run in worker
+    threads whose torch ops are single-threaded, under the caller's inference mode; with 1, here."""
+    import threading
+    from runtime.model.layers.experts import expert_parallel
+    jobs = [(f"e{i}", 0, n) for i, n in enumerate([40, 3, 25, 9, 30, 1, 12])]
+    seen = []
+
+    def fn(part):
+        seen.append((list(part), threading.current_thread() is threading.main_thread(), torch.get_num_threads(),
+                     torch.is_inference_mode_enabled()))
+    with torch.inference_mode():
+        expert_parallel(fn, jobs)
+    parts = sorted(seen, key=lambda s: jobs.index(s[0][0]))
+    assert [j for p in parts for j in p[0]] == jobs
+    if torch_threads == 1:
+        assert len(parts) == 1 and parts[0][1:] == (True, 1, True)
+    else:
+        assert len(parts) == 2 and all(not main and n == 1 and inf for _, main, n, inf in parts)
+        rows = [sum(j[2] for j in p[0]) for p in parts]
+        assert max(rows) - min(rows) <= 40                   # cut at the job that passes half of the rows
+
+
+def test_the_kernel_pool_spins_in_decode_only(bf16, monkeypatch):
+    """A prefill forward sets the pool's spin to 0 (its torch ops thread over the same cores), a decode forward back
+    to TIERED_MOE_SPIN_US; the library is called on a change only."""
+    ref, hf, d = bf16
+    calls = []
+    lib = kernels.lib()
+    model, store = load_model(str(d / "bf16"))
+    monkeypatch.setenv("TIERED_MOE_SPIN_US", "1500")
+    real = lib.tm_set_spin_us
+    monkeypatch.setattr(lib, "tm_set_spin_us", lambda us: (calls.append(us), real(us)))
+    monkeypatch.delitem(kernels._state, "spin_us", raising=False)
+    try:
+        s = Sequence()
+        feed(model, [s], [[5, 6, 7, 8]])
+        assert calls[-1] == 0
+        feed(model, [s], [[9]])
+        feed(model, [s], [[10]])
+        assert calls[-2:] == [0, 1500]                   # the second decode step changed nothing
+    finally:
+        monkeypatch.delenv("TIERED_MOE_SPIN_US")
+        kernels.spin_for(True)                              # the real pool back to its default
+        store.close()
+
+
+def test_bf16_activations_past_the_gemv_follow_their_definition(bf16, torch_threads):
     """--host-act-quant q8 (the CLI's default) on a bf16 store: a product of more rows than the GEMV takes
     (prefill) rounds x to bf16 and its result to bf16 (oneDNN sums in float32), as llama.cpp computes BF16
     weights - dense weights, and experts with more rows than the kernel's bf16 threshold, whose SwiGLU then
