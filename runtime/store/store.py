@@ -257,17 +257,17 @@ class ExpertStore:
         cnt = [c for _, c in pairs]
         keys = [layer * E + e for e in experts]
         d = self.placement.access_detail(layer, keys, t, counts=cnt)
-        self._cancel_prefetches(layer, set(keys))
+        if self._prefetching:
+            self._cancel_prefetches(layer, set(keys))
         on_host = self._count(layer, experts, cnt, keys, d)
         mv = d.moves
-        busy = [k for k in keys if k in self.inflight] if self.inflight else ()
-        for k in busy:                   # copies that had finished when the step's table was made: settled now
-            fut = self.inflight.pop(k)
-            if not fut.done() or fut.exception() is not None:
-                busy = [k]
-                break
-        else:
-            busy = ()
+        busy = []
+        for k in [k for k in keys if k in self.inflight] if self.inflight else ():
+            fut = self.inflight[k]       # a copy that had finished when the step's table was made: settled now
+            if fut.done() and fut.exception() is None:
+                del self.inflight[k]
+            else:
+                busy.append(k)
         if mv.loaded or mv.from_disk or mv.device_evicted or mv.host_evicted or d.wave_plan is not None or busy \
                 or (len(on_host) != len(keys) if host else on_host):
             raise RuntimeError(f"MoE layer {layer}: the store placed experts elsewhere than the fused step's residency "

@@ -411,12 +411,16 @@ def ring_mask(ctx: ForwardContext, W: int, chunked: bool = False) -> torch.Tenso
     return mask
 
 
-def q_temperature(ctx: ForwardContext, beta: float, length: int, offset: int) -> torch.Tensor:
-    """Llama 4's attention temperature of each token of the forward, 1 + beta ln(1 + floor((pos + offset) / length)),
-    in float32 as transformers computes it -> [tokens] (1 below length - offset). Made once per forward."""
-    t = ctx.masks.get("q_temperature")
+def q_temperature(ctx: ForwardContext, beta: float, length: int, offset: int = 0,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Llama 4's attention temperature (its GQA NoPE layers; Mistral 4's MLA q scale) of each token of the forward,
+    1 + beta ln(1 + floor((pos + offset) / length)), in ``dtype`` as each family's transformers code computes it
+    (Llama 4: float32, counting from 1; Mistral 4: float64, from 0) -> [tokens] (1 below length - offset). Made once
+    per forward."""
+    key = ("q_temperature", dtype)
+    t = ctx.masks.get(key)
     if t is None:
         pos = ctx.pos if ctx.decode else torch.cat([torch.arange(s.length, s.length + b - a)
                                                     for s, (a, b) in zip(ctx.seqs, ctx.spans)])
-        t = ctx.masks["q_temperature"] = torch.log1p(torch.floor((pos.float() + offset) / length)) * beta + 1.0
+        t = ctx.masks[key] = torch.log1p(torch.floor((pos.to(dtype) + offset) / length)) * beta + 1.0
     return t

@@ -34,7 +34,7 @@ def weighted_sum(ys: torch.Tensor, back: torch.Tensor, wts: torch.Tensor) -> tor
     return (ys[back].view(T, k, -1) * wts[:, :, None].to(ys.dtype)).sum(1)
 
 
-_POOL: "ThreadPoolExecutor | None" = None
+_POOL: dict = {}        # "pool": the workers of expert_parallel, "size": how many
 
 
 def _one_thread() -> None:
@@ -45,13 +45,15 @@ def expert_parallel(fn, jobs: list) -> None:
     """fn(part) over ``jobs`` (expert, first row, rows) split into torch.get_num_threads() parts of about equal
     rows, each part in a worker thread whose torch ops run single-threaded (torch releases the GIL inside them);
     with one thread, or one job, fn(jobs) here."""
-    global _POOL
     N = min(torch.get_num_threads(), len(jobs))
     if N <= 1:
         fn(jobs)
         return
-    if _POOL is None or _POOL._max_workers < N:
-        _POOL = ThreadPoolExecutor(max_workers=N, thread_name_prefix="tm-experts", initializer=_one_thread)
+    if _POOL.get("size", 0) < N:             # grown with the thread count; the smaller pool's workers let go
+        if "pool" in _POOL:
+            _POOL["pool"].shutdown(wait=False)
+        _POOL.update(pool=ThreadPoolExecutor(max_workers=N, thread_name_prefix="tm-experts", initializer=_one_thread),
+                     size=N)
     total, parts, acc, cut = sum(j[2] for j in jobs), [], 0, 0
     for i, j in enumerate(jobs):             # contiguous parts, cut where the running row count passes k/N of all
         acc += j[2]
@@ -64,7 +66,7 @@ def expert_parallel(fn, jobs: list) -> None:
     def run(part):                           # the caller's autograd modes, which are per thread too
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             fn(part)
-    for f in [_POOL.submit(run, p) for p in parts if p]:
+    for f in [_POOL["pool"].submit(run, p) for p in parts if p]:
         f.result()
 
 

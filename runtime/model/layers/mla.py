@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MoEConfig
-from .attention import attention_extras
+from .attention import attention_extras, q_temperature
 from .cache import TokenCacheSpec
 from .context import ForwardContext
 from .norm import RMSNorm
@@ -118,7 +118,7 @@ class MLAttention(Sublayer):
 
     def _q_scaled(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Llama 4's position-dependent query scale (Mistral 4). q: [tokens, heads, nope+rope]."""
-        return q * position_scale(ctx, *self.q_scale).to(q.device, q.dtype)[:, None, None]
+        return q * q_temperature(ctx, *self.q_scale, 0, torch.float64).to(q.device, q.dtype)[:, None, None]
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q = self._q(x).view(-1, self.nh, self.nope + self.rope)          # q: [tokens, heads, nope+rope]
@@ -188,9 +188,3 @@ def projection(w: dict, name: str) -> Linear:
     return Linear(t, None, compute_dtype(w, t), **linear_opts(w))
 
 
-def position_scale(ctx: ForwardContext, beta: float, length: int) -> torch.Tensor:
-    """Llama 4's query scale of each token of the forward, 1 + beta ln(1 + floor(pos / length)) -> [tokens] float64
-    (1 below ``length`` positions)."""
-    pos = ctx.pos.cpu() if ctx.decode else torch.cat([torch.arange(s.length, s.length + b - a)
-                                                      for s, (a, b) in zip(ctx.seqs, ctx.spans)])
-    return 1 + beta * torch.log1p(torch.floor(pos.double() / length))
