@@ -25,8 +25,10 @@ FORMATS = {"bf16": ("BF16", None, 16.0), "int4": ("Q4_0", "int4", 4.5), "mxfp4":
            # our 4-bit stores hold them (stock Q4_0 quantizes attention and the head too; MXFP4_MOE makes them Q8_0)
            "int4-x": ("Q4_0", "int4", 4.5), "mxfp4-x": ("MXFP4_MOE", "mxfp4", 4.25)}
 EXPERTS_ONLY = {"int4-x", "mxfp4-x"}
-KEEP_BF16 = ["--tensor-type", "attn_q=bf16", "--tensor-type", "attn_k=bf16", "--tensor-type", "attn_v=bf16",
-             "--tensor-type", "attn_output=bf16", "--tensor-type", "ffn_gate_inp=bf16", "--output-tensor-type", "bf16",
+# Every block tensor but the routed experts (*_exps) bf16: attention, MLA's factors, Gated DeltaNet's projections,
+# shared experts and dense MLPs (llama-quantize matches --tensor-type as an ECMAScript regex; 1-D tensors and the
+# router stay float32 as it leaves them), and the head and embedding.
+KEEP_BF16 = ["--tensor-type", r"^blk\.[0-9]+\.(?!ffn_[a-z]+_exps)=bf16", "--output-tensor-type", "bf16",
              "--token-embedding-type", "bf16"]
 
 
@@ -44,6 +46,14 @@ def pre(self, tokenizer):
         print("vs_llama_cpp: unrecognized BPE pre-tokenizer hash -> 'qwen2'", flush=True)
         return "qwen2"
 TextModel.get_vocab_base_pre = pre
+# Llama-family converters (Mixtral) try a SentencePiece tokenizer first and fall back on FileNotFoundError, but
+# import sentencepiece before looking for tokenizer.model: without the package, say the file is not there
+orig_sp = TextModel._create_vocab_sentencepiece
+def create_sp(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    return orig_sp(self)
+TextModel._create_vocab_sentencepiece = create_sp
 sys.argv = [tree + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -174,6 +184,14 @@ def build_tokenizer(hf: str, vocab: int) -> None:
 def build_hf(cfg: dict, hf: str) -> None:
     """decode_speed.build_mid's recipe for any shape, plus the tokenizer (cached by config.json)."""
     if os.path.exists(os.path.join(hf, "tokenizer_config.json")):
+        return
+    if cfg.get("_synthetic"):
+        # Too big to build as a transformers module on this machine: runtime/model/synthetic.py writes it (Mixtral
+        # names, bf16) layer by layer, as bench/bigger_than_memory.py does
+        from runtime.model.synthetic import SyntheticModelSpec, build_checkpoint
+        log(f"writing the synthetic Mixtral checkpoint {hf} layer by layer")
+        build_checkpoint(hf, SyntheticModelSpec(**cfg["_synthetic"]), dtype=torch.bfloat16, shard_by_layer=True)
+        build_tokenizer(hf, cfg["vocab_size"])
         return
     import transformers
     cfg = dict(cfg)

@@ -3,10 +3,13 @@
 Measures decode speed (tokens/s after the prompt) of both runtimes on checkpoints built here with transformers
 (seed 0, non-norm parameters x4 - decay parameters kept -, saved in bf16) in five shapes - Qwen3-MoE `mid`
 (bench/decode_speed.py's MID) and `wide` (WIDE below: K3-like expert width, routed experts ~93% of the
-weights), `mla` (DeepSeek-V3-like), `gptoss` (sinks, sliding windows) and `qnext` (Qwen3-Next-like: Gated
-DeltaNet + gated attention; the last two are bench/layer_backends.py's) - in three paired weight formats: BF16
-GGUF vs our bf16 store, Q4_0 vs our int4 store, MXFP4_MOE vs our mxfp4 store; each at batch 1 and 8, 1 and 2
-threads. And prefill (--prefill N, default 512): one N-token prompt, `llama-bench -p N -n 0` against our
+weights), `wide128` (issue 30's wide shape: hidden 2048, 8 layers x 128 experts top-8, written layer by layer
+by runtime/model/synthetic.py), `mla` (DeepSeek-V3-like), `gptoss` (sinks, sliding windows) and `qnext`
+(Qwen3-Next-like: Gated DeltaNet + gated attention; the last two are bench/layer_backends.py's) - in paired weight
+formats: BF16 GGUF vs our bf16 store, Q4_0 vs our int4 store, MXFP4_MOE vs our mxfp4 store, and the same bytes
+on both sides (`int4-x`, `mxfp4-x`: llama.cpp's file with only the routed experts quantized, every other weight
+bf16 as our 4-bit stores hold them at the defaults; stock Q4_0 quantizes attention, shared experts and the head
+too); each at batch 1 and 8, 1 and 2 threads. And prefill (--prefill N, default 512): one N-token prompt, `llama-bench -p N -n 0` against our
 engine at its defaults (time to the first token), 1 and 2 threads. The llama.cpp side (tree, GGUFs, runs) and
 the checkpoints are in bench/llama_cpp_side.py.
 
@@ -27,7 +30,7 @@ How:
   as llama.cpp computes Q4_0 and MXFP4; dense weights as stored), and "fast", the llama.cpp-like setting
   (FAST): --host-act-quant q8 with --dense-quant matching the GGUF's dense
   weights (Q4_0 file: int4, the head int8 where llama.cpp has Q6_K; MXFP4_MOE file: int8, as its Q8_0;
-  experts-only files: none). The ratio takes our better one.
+  experts-only files: none, so they run once). The ratio takes our better one.
 - Interleaved: each rep runs every configuration, llama.cpp and ours alternating which goes first;
   the best of --reps kept per side.
 - Memory bandwidth: STREAM-like copy (read + write bytes) and read-only sum of a 512 MB float32
@@ -70,6 +73,13 @@ NEW, PROMPT = decode_speed.NEW, decode_speed.PROMPT
 # K3-like expert width on the MID architecture: hidden 2048, experts 1024 wide (~1.7 GB in bf16).
 WIDE = dict(decode_speed.MID, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
             num_key_value_heads=4, head_dim=128, moe_intermediate_size=1024)
+# Issue 30's wide shape: hidden 2048, 8 layers x 128 experts top-8, width 768 (bench/bigger_than_memory.py's
+# "large", Qwen3-30B-A3B-sized layers; 10 GB in bf16, 2.6 GB int4): the model in RAM, far past the caches. Written
+# by runtime/model/synthetic.py (Mixtral names) - "_synthetic": its SyntheticModelSpec; the other keys describe it.
+WIDE128 = dict(_synthetic=dict(vocab_size=4096, hidden_size=2048, intermediate_size=768, num_layers=8, num_experts=128,
+                               top_k=8, num_heads=16, num_kv_heads=4),
+               vocab_size=4096, hidden_size=2048, intermediate_size=768, num_hidden_layers=8, num_local_experts=128,
+               num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128)
 # The shapes off the GQA path (issue 30), hidden 512, 8 layers, 32 experts top-4 as bench/layer_backends.py builds
 # them: MLA (DeepSeek-V3 / Kimi-K2-like: q through a low-rank factor, sigmoid routing, a shared expert, the first
 # layer dense; llama.cpp takes a model without q LoRA only at DeepSeek-V2-Lite's 26-27 layers). "_arch": the
@@ -88,7 +98,7 @@ def _layer_shape(name: str) -> dict:
 
 # gpt-oss-like (sinks, sliding 128 / full alternating, biases, clamped SwiGLU) and Qwen3-Next-like (Gated DeltaNet :
 # gated attention 3:1, a gated shared expert), hidden 512, 8 layers, 32 experts top-4
-SHAPES = {"mid": decode_speed.MID, "wide": WIDE, "mla": MLA, "gptoss": _layer_shape("gptoss"),
+SHAPES = {"mid": decode_speed.MID, "wide": WIDE, "wide128": WIDE128, "mla": MLA, "gptoss": _layer_shape("gptoss"),
           "qnext": _layer_shape("gdn")}
 
 
@@ -122,7 +132,7 @@ BATCHES, THREADS = (1, 8), (1, 2)
 # 4-bit stores run a second, llama.cpp-like setting: 8-bit activations (--host-act-quant q8) and the dense
 # weights quantized at load as the GGUF holds them (--dense-quant): stock Q4_0 has Q4_0 attention (the head
 # Q6_K; ours int8), MXFP4_MOE has Q8_0 attention and head; the experts-only files keep them bf16, as stored.
-FAST = {"int4": ("q8", "int4"), "mxfp4": ("q8", "int8"), "int4-x": ("q8", "none"), "mxfp4-x": ("q8", "none")}
+FAST = {"int4": ("q8", "int4"), "mxfp4": ("q8", "int8")}
 
 
 # Our side's default run: what `tiered-moe generate` / `serve` use (8-bit activations for 4-bit and 8-bit weights
@@ -313,8 +323,8 @@ def run_pairs(bindir: str, items: list, reps: int) -> dict:
                 for t in THREADS:
                     key = (shape, fmt, b, t)
                     # 4-bit stores run twice on our side: at the CLI's defaults (DEFAULTS) and FAST's
-                    # llama.cpp-like setting
-                    sides = ("ours", "ours_fast") if fmt in FAST else ("ours",)
+                    # llama.cpp-like setting (once where the two are the same: the experts-only files)
+                    sides = ("ours", "ours_fast") if FAST.get(fmt, DEFAULTS) != DEFAULTS else ("ours",)
                     cur = best.setdefault(key, {"llama": 0.0, "llama_runs": [], **{x: 0.0 for x in sides},
                                                 **{x + "_runs": [] for x in sides}})
                     order = ("llama",) + sides if (rep + idx) % 2 == 0 else sides + ("llama",)

@@ -284,7 +284,8 @@ class MoEModel:
         every thread. Never more than the cores other processes leave free (kernels/cores.py, remeasured every
         0.1 s): on a shared machine a thread that gets descheduled stalls every join of the step."""
         configured = torch.get_num_threads()
-        free = free_cores()
+        # one thread needs no cap (the monitor reads /proc/stat every 0.1 s: under load a read took up to 5 ms)
+        free = free_cores() if configured > 1 else None
         want = configured if free is None else min(configured, free)
         kernels.set_threads(want)         # the host kernels split even one token's experts
         use = max(1, min(want, sum(len(c) for c in chunks) // self.tokens_per_thread))
