@@ -19,6 +19,7 @@ EXPERIMENTS = [
     ("exp_cache_routing", "4. Cache-aware routing: hit rate vs output change"),
     ("exp_batching", "5. Expert-aware batching vs first-come batching"),
     ("exp_prediction", "6. Prediction quality of the prefetchers (held-out prompts)"),
+    ("exp_speculation", "7. Speculative decoding priced in expert bytes: draft length by cost (projection)"),
 ]
 
 
@@ -36,7 +37,7 @@ def main(argv=None):
     for name, title in chosen:
         mod = importlib.import_module(name)
         args = ["--outdir", a.outdir] + (["--quick"] if a.quick else [])
-        if name in ("exp_regimes", "exp_k3", "exp_locality"):
+        if name in ("exp_regimes", "exp_k3", "exp_locality", "exp_speculation"):
             args += ["--jobs", str(a.jobs)]
         if name in ("exp_cache_routing", "exp_batching", "exp_prediction") and a.workdir:
             args += ["--workdir", a.workdir]

@@ -140,13 +140,23 @@ class _Future:
         return lst[i] if i < len(lst) else float("inf")
 
 
-def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) -> dict:
-    t_start = time.perf_counter()
-    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+@dataclass
+class PlacementSetup:
+    """A replay's tiers, built from a trace and its config (``build_placement``)."""
+    size: dict                      # expert params, bytes and where the size came from
+    dev_slots: int
+    host_slots: "int | None"
+    factory: object                 # the policy factory
+    cost: cm.HybridCost
+    place: TieredPlacement
+    warm: int                       # experts loaded by the warm start
+
+
+def build_placement(trace: Trace, cfg: ReplayConfig, batch: int, future=None) -> PlacementSetup:
+    """The tiers a replay runs through (also cache_policy/spec_replay.py's, so both place experts alike)."""
+    L, E = trace.num_layers, trace.num_experts
     size = _expert_size(trace, cfg)
     dev_slots, host_slots = device_slots_for(trace, cfg, size["bytes"])
-    groups = build_groups(trace, continuous_batches(trace.seq_offsets, batch))
-    future = _Future(groups) if (cfg.policy == "belady" or cfg.prefetch == "oracle") else None
     factory = make_policy_factory(trace, cfg, future, batch)
     cost = cm.HybridCost(cfg.cost_profile, size["params"], size["bytes"])
     if cfg.cpu.layers > L:
@@ -155,7 +165,17 @@ def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) 
                             host_slots=host_slots, policy_factory=factory,
                             host_policy_factory=LRU if cfg.policy == "none" else factory,
                             hybrid=cost if cfg.cpu.auto else None, cpu_layers=cfg.cpu.layers)
-    warm = place.warm_start()
+    return PlacementSetup(size, dev_slots, host_slots, factory, cost, place, place.warm_start())
+
+
+def replay_batch(trace: Trace, cfg: ReplayConfig, batch: int, *, progress=None) -> dict:
+    t_start = time.perf_counter()
+    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    groups = build_groups(trace, continuous_batches(trace.seq_offsets, batch))
+    future = _Future(groups) if (cfg.policy == "belady" or cfg.prefetch == "oracle") else None
+    ps = build_placement(trace, cfg, batch, future)
+    size, dev_slots, host_slots, factory, cost, place, warm = (ps.size, ps.dev_slots, ps.host_slots, ps.factory,
+                                                               ps.cost, ps.place, ps.warm)
     budget = cfg.prefetch_budget or k
     # The controller the live engine runs too (cache_policy.prefetch.PrefetchController).
     ctl = PrefetchController(cfg.prefetch, num_layers=L, num_experts=E, budget=budget, rule=cfg.prefetch_rule,

@@ -14,6 +14,8 @@ from cache_policy import cost_model as cm
 from cache_policy.layout import Layout, project
 from cache_policy.prefetch import TransitionPrefetcher
 from cache_policy.replay import ReplayConfig, replay
+from cache_policy.spec_replay import SpecConfig, format_spec_table, speculative_replay
+from cache_policy.speculation import Acceptance, DraftCost
 from cache_policy.synthetic import GEOMETRIES, SyntheticSpec, generate
 from cache_policy.traces import format_stats, load_trace, trace_stats
 
@@ -102,6 +104,8 @@ def cmd_replay(a) -> int:
         raise CliError("give exactly one of --trace FILE.npz or --synthetic")
     trace = load_trace(a.trace) if a.trace else _synthetic_trace(a)
     fit = load_trace(a.fit_trace) if a.fit_trace else None
+    if a.speculative:
+        return _replay_speculative(a, trace, fit)
     layouts, hidden = _layouts(a, trace)
     results = []
     items = [(p, f, c) for p in a.policy.split(",") for f in a.prefetch.split(",") for c in a.cpu_experts.split(",")]
@@ -127,6 +131,33 @@ def cmd_replay(a) -> int:
         if layouts:
             print()
             print(format_layouts(results))
+    return 0
+
+
+def _replay_speculative(a, trace, fit) -> int:
+    """replay --speculative: one row per policy, CPU-experts choice and batch (cache_policy/spec_replay.py)."""
+    spec = SpecConfig(acceptance=Acceptance.parse(a.acceptance), k_max=a.num_speculative_tokens, rule=a.spec_rule,
+                      draft=DraftCost.parse(a.draft_cost), seed=a.spec_seed,
+                      rejected=a.rejected_routing)
+    results = []
+    for policy in a.policy.split(","):
+        for cpu in a.cpu_experts.split(","):
+            cfg = ReplayConfig(policy=policy, scope=a.scope, device_capacity=a.device_capacity,
+                               host_capacity=a.host_capacity, prefetch=a.prefetch, profile=a.profile, dtype=a.dtype,
+                               geometry=a.expert_geometry, expert_bytes=a.expert_bytes, fit_trace=fit, cpu_experts=cpu)
+            for b in parse_batches(a.batch):
+                r = speculative_replay(trace, cfg, b, spec)
+                results.append(r)
+                if a.json:
+                    print(json.dumps(r), flush=True)
+    if not a.json:
+        print(format_spec_table(results))
+        r = results[0]
+        print(f"\ntrace: {r['trace']} ({r['tokens']:,} tokens); expert: {r['expert_bytes'] / 1e6:.1f} MB - "
+              f"{r['expert_size_source']}; profile: {r['profile']}; acceptance {a.acceptance}, draft {spec.draft}, "
+              f"rejected drafts routed as: {spec.rejected}\n"
+              f"tokens/s are cost-model projections of expert compute and transfers (attention left out); "
+              f"cache_policy/spec_replay.py says how verify steps and rejected drafts are priced")
     return 0
 
 

@@ -178,3 +178,28 @@ def test_prefix_cache_quick(out, tmp_path, model):
     shared = d["system_prompt_tokens"] // block * block
     assert on["prefix_hits"] >= (7 if model == "moe" else 6) * (shared - block)
     assert on["prefill_computed"] == on["prompt_tokens"] - on["prefix_hits"]
+
+
+def _quick(out, name):
+    """Run experiment ``name`` in its --quick mode into ``out``; its JSON."""
+    import importlib
+    importlib.import_module(name).main(["--quick", "--jobs", "1", "--outdir", str(out)])
+    return _files(out, name)
+
+
+@pytest.mark.slow
+def test_speculation_quick(out):
+    rows = _quick(out, "exp_speculation")["rows"]
+    for r in rows:
+        assert r["steps"] == sum(r["k_histogram"]) and r["accepted"] <= r["drafted"]
+        if r["variant"] == "none":      # no speculation: one token per request and step, top-k experts at batch 1
+            assert r["mean_k"] == 0 and r["drafted"] == 0
+            if r["batch"] == 1:
+                assert r["experts_per_layer_per_step"] == (16 if r["model"] == "kimi-k3" else
+                                                           8 if r["model"] == "deepseek-v3" else 6)
+    # Batch 1 on the V3 and K3 shapes: the cost rule never projects fewer tokens/s than no speculation.
+    for m in ("deepseek-v3", "kimi-k3"):
+        for acc in (0.5, 0.85):
+            got = {r["variant"]: r["tokens_per_s"] for r in rows
+                   if (r["model"], r["batch"], r["acceptance"]) == (m, 1, acc)}
+            assert got["cost k<=4"] >= got["none"] and got["cost k<=4 other"] >= got["none"]
