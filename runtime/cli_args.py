@@ -11,6 +11,7 @@ from cache_policy.keys import PREFILL_CHUNK, SCHEDULES, SCOPES, parse_bytes
 from cache_policy.policies import POLICIES, live_policies
 from cache_policy.prefetch import LIVE_PREFETCHERS, PREFETCHERS
 from cache_policy.replay import PREFETCH_RULES
+from cache_policy.speculation import SPEC_RULES
 from cache_policy.synthetic import GEOMETRIES
 
 
@@ -243,7 +244,27 @@ def _replay(sub, commands: dict) -> None:
     _add_layout_args(r)
     _add_hybrid_args(r, live=False)
     _add_synthetic_args(r)
+    _add_speculative_args(r)
     r.set_defaults(func=commands['replay'])
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (with --speculative; cache_policy/spec_replay.py)")
+    g.add_argument("--speculative", action="store_true",
+                   help="project tokens/s with speculative decoding: each step verifies k drafts per request, "
+                        "k chosen by --spec-rule; prints the same batch without speculation beside it")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="the most drafts per request and step (default 4)")
+    g.add_argument("--spec-rule", default="cost", help=f"{', '.join(SPEC_RULES)}: cost picks k in 0..K per step by the "
+                                                       "expected tokens it gains at the going tokens/s; ratio by the step's "
+                                                       "own tokens/s; fixed drafts K every step (default cost)")
+    g.add_argument("--acceptance", default="0.85", help="acceptance rate of a draft (0.85), or by position (0.9,0.8,0.7)")
+    g.add_argument("--draft-cost", default="mtp", help="mtp[:FRACTION of a layer per draft] (default mtp:1), ngram (free), "
+                                                     "model:FRACTION of a step per draft")
+    g.add_argument("--spec-seed", type=int, default=0, help="seed of the acceptance draws")
+    g.add_argument("--rejected-routing", default="next",
+                   help="routing a rejected draft is priced with: next (the trace's token there; the next step finds "
+                        "its experts loaded: optimistic) or other (an unrelated token's: pessimistic); default next")
 
 
 def _convert(sub, commands: dict) -> None:
@@ -286,13 +307,26 @@ def _serve(sub, commands: dict) -> None:
     _add_model_arg(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     sv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests (visible in ps: "
-                                                     "prefer TIERED_MOE_API_KEY or --api-key-file)")
-    sv.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1 requests; repeatable: any of the keys is taken "
+                         "(visible in ps: prefer TIERED_MOE_API_KEY or --api-key-file)")
+    sv.add_argument("--api-key-file", default=None, help="read the API keys from this file (one per line; blank lines "
+                                                          "are skipped)")
+    sv.add_argument("--prefix-cache-isolation", choices=("none", "api-key"), default="none",
+                    help="api-key: requests share prefix-cache blocks only with requests sent with the same API key "
+                         "(and the same cache_salt), so no client can time what another sent; none: only a "
+                         "request's cache_salt keeps it apart (default)")
+    sv.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                    help="on SIGTERM / Ctrl-C, seconds open requests may finish (no new ones are taken); those "
+                         "still open then end with an error (default 10)")
     sv.add_argument("--timeout", type=float, default=60.0, help="seconds a client socket may stay silent (read or write)")
     sv.add_argument("--heartbeat-timeout", type=float, default=60.0,
                     help="seconds without a message from the engine before it is killed and restarted")
     sv.add_argument("--served-model-name", default=None, help="model id clients use (default: the store's name)")
+    sv.add_argument("--reasoning-parser", choices=("auto", "none", "gpt_oss", "deepseek_r1", "qwen3"), default="auto",
+                    help="how a reasoning model's thinking is split from its reply into reasoning_content (vLLM's "
+                         "option): auto (default) picks the family by what its chat template writes (<think> ... "
+                         "</think>: qwen3 / deepseek_r1; harmony channels: gpt_oss); none leaves it in the content")
     sv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                     help="a name the Host header may carry (repeatable). Default: a keyless server on a loopback "
                          "address answers only to localhost / 127.0.0.1 / ::1 (DNS rebinding protection); with an "

@@ -244,29 +244,41 @@ def _summary_line(summ: dict, store) -> str:
             f"device tier: {'CPU memory standing in for HBM' if summ['device_is_stand_in'] else store.device}]")
 
 
-def cmd_serve(a) -> int:
-    key = a.api_key
+def _api_keys(a) -> list:
+    """The serve command's API keys: every --api-key and the lines of --api-key-file, else TIERED_MOE_API_KEY;
+    an empty list: none."""
+    keys = list(a.api_key or [])
+    if any(not k for k in keys):
+        raise CliError("--api-key is empty")
     if a.api_key_file:
-        if key is not None:
-            raise CliError("give --api-key or --api-key-file, not both")
         try:
             with open(a.api_key_file) as f:
-                key = f.readline().strip()
+                found = [line.strip() for line in f if line.strip()]
         except OSError as e:
             raise CliError(f"--api-key-file {a.api_key_file!r}: {e.strerror}") from None
-        if not key:
-            raise CliError(f"--api-key-file {a.api_key_file!r}: the first line is empty")
-    elif key is None and "TIERED_MOE_API_KEY" in os.environ:
+        if not found:
+            raise CliError(f"--api-key-file {a.api_key_file!r}: no key in it (one per line)")
+        keys += found
+    elif not keys and "TIERED_MOE_API_KEY" in os.environ:
         key = os.environ["TIERED_MOE_API_KEY"].strip()
         if not key:
             raise CliError("TIERED_MOE_API_KEY is set but empty: set a key, or unset it to serve without one")
-    if key is not None and not key:
-        raise CliError("--api-key is empty")
+        keys.append(key)
+    if a.prefix_cache_isolation == "api-key" and not keys:
+        raise CliError("--prefix-cache-isolation api-key needs API keys (--api-key, --api-key-file or "
+                       "TIERED_MOE_API_KEY)")
+    if not (0 <= a.shutdown_grace < float("inf")):
+        raise CliError(f"--shutdown-grace must be a number of seconds >= 0, got {a.shutdown_grace}")
+    return list(dict.fromkeys(keys))
+
+
+def cmd_serve(a) -> int:
+    keys = _api_keys(a)
     given = a.model
     _resolve_model(a)
     if a.model != given and a.served_model_name is None:     # a checkpoint folder: clients see its name
         a.served_model_name = os.path.basename(os.path.abspath(given).rstrip(os.sep))
-    if key is None and a.host not in ("127.0.0.1", "localhost", "::1") and not a.host.startswith("127."):
+    if not keys and a.host not in ("127.0.0.1", "localhost", "::1") and not a.host.startswith("127."):
         print(f"tiered-moe: WARNING: binding {a.host} without an API key: anyone who can reach this address can use "
               f"the model (set TIERED_MOE_API_KEY or --api-key-file)", file=sys.stderr)
     cfg = _runtime_config(a)
@@ -277,8 +289,11 @@ def cmd_serve(a) -> int:
 
     def on_signal(signum, frame):
         # while the engine loads (minutes for a real model) a signal unwinds Server(): the engine client kills
-        # the engine and removes its sockets' folder; once serving, it ends the wait below
+        # the engine and removes its sockets' folder; once serving, it ends the wait below, and a second one
+        # ends the grace open requests get
         if srv_ready.is_set():
+            if stop.is_set():
+                srv.hurry()
             stop.set()
         else:
             raise _Stopped()
@@ -287,9 +302,10 @@ def cmd_serve(a) -> int:
         signal.signal(sig, on_signal)
     srv = None
     try:
-        srv = Server(cfg, host=a.host, port=a.port, api_key=key, served_model_name=a.served_model_name,
+        srv = Server(cfg, host=a.host, port=a.port, api_key=keys or None, served_model_name=a.served_model_name,
+                     prefix_cache_isolation=a.prefix_cache_isolation, shutdown_grace=a.shutdown_grace,
                      startup_timeout=a.startup_timeout, timeout=a.timeout, heartbeat_timeout=a.heartbeat_timeout,
-                     allowed_hosts=a.allowed_host)
+                     allowed_hosts=a.allowed_host, reasoning_parser=a.reasoning_parser)
         srv_ready.set()
     except EngineError as e:
         raise CliError(str(e)) from None
@@ -304,6 +320,13 @@ def cmd_serve(a) -> int:
     try:
         stop.wait()
     finally:
+        if srv.open_requests:
+            print(f"tiered-moe: stopping: {srv.open_requests} open request(s) may finish within {srv.shutdown_grace:g} s "
+                  f"(a second signal ends them now)", file=sys.stderr, flush=True)
         srv.close()
     print("tiered-moe: stopped", file=sys.stderr)
-    return 0
+    # Everything is closed (the engine, the sockets, the temp directory): the interpreter's teardown (a second
+    # with torch loaded) would only delay the exit a supervisor waits for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -13,6 +13,7 @@ one ``StepHooks`` per forward.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,10 +26,10 @@ from ..model.footprint import default_cache_tokens
 from ..model.layers.cache import Sequence
 from ..model.layers.context import StepHooks
 from ..quant import cost_dtype
-from .grammar import GrammarTokenizer
+from .grammar import GrammarBuilds, GrammarTokenizer, build
 from .kv_manager import KVManager
 from .request import (SAMPLING_EPS, FinishReason, Request, SamplingParams, SchedulerOutput, StepOutput, StepRecord,
-                      StepResult, sample)
+                      StepResult, prompt_logprobs_of, sample)
 from .scheduler import SCHEDULES, Scheduler
 
 __all__ = ["Engine", "FinishReason", "Request", "SamplingParams", "SchedulerOutput", "StepOutput", "StepRecord",
@@ -99,6 +100,7 @@ class Engine:
                           + (max_active + self.prefix_snapshots) * per_seq, max_seqs=max_active,
                           snapshots=self.prefix_snapshots)
         self.kv = KVManager.for_cache(model.kv)       # the one allocator of the cache's blocks and slots
+        self.grammars = GrammarBuilds()               # requests whose grammar is compiling (off the loop)
         self.scheduler = Scheduler(lambda: self.kv, max_batch=max_batch, max_active=max_active,
                                    prefill_chunk=prefill_chunk, step_tokens=self._step_tokens(max_batch),
                                    schedule=schedule, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
@@ -156,7 +158,9 @@ class Engine:
         return min(self.max_context, blocks.num_blocks * blocks.block_size)
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: list, params: "SamplingParams | None" = None) -> int:
+    def add_request(self, prompt: list, params: "SamplingParams | None" = None, cache_salt: "str | None" = None) -> int:
+        """Queue a request; its id. ``cache_salt`` (vLLM's): it shares prefix-cache blocks only with requests of
+        the same salt (None: with the other unsalted ones)."""
         params = params or SamplingParams()
         if not prompt:
             raise ValueError("prompt is empty")
@@ -172,26 +176,47 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
                              f"{blocks.blocks_for(len(prompt) + params.max_tokens)} KV blocks of {blocks.block_size} "
                              f"tokens; the KV cache budget holds {blocks.num_blocks}")
-        r = Request(id=self._next_id, prompt=[int(t) for t in prompt], params=params, arrival=time.perf_counter())
-        if params.grammar is not None:
-            r.matcher = self._grammar_tokenizer().matcher(*params.grammar)   # ValueError: a grammar that does not compile
-        if params.trigger is not None:
-            if not 0 <= params.trigger[0] < V:
-                raise ValueError(f"trigger token id {params.trigger[0]} is outside the vocabulary [0, {V})")
-            try:
-                r.armed = self._grammar_tokenizer().matcher(*params.trigger[1:])   # compiled now: its error is a 400
-            except ValueError as e:
-                raise ValueError(f"the grammar of the tools' calls (after the trigger token) does not compile: {e}") \
-                    from None
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {str(cache_salt)[:40]!r}")
+        r = Request(id=self._next_id, prompt=[int(t) for t in prompt], params=params, arrival=time.perf_counter(),
+                    cache_salt=cache_salt)
+        if params.trigger is not None and not 0 <= params.trigger[0] < V:
+            raise ValueError(f"trigger token id {params.trigger[0]} is outside the vocabulary [0, {V})")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= V:
+            raise ValueError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is outside the vocabulary "
+                             f"[0, {V})")
+        if params.prompt_logprobs is not None:
+            r.prompt_logprobs = [None] * len(r.prompt)      # filled as its prompt's chunks run (_step_hooks)
         if params.seed is not None:
             import torch
             r.gen = torch.Generator().manual_seed(params.seed)
         self._next_id += 1
+        if params.grammar is not None or params.trigger is not None:
+            gt = self._grammar_tokenizer()
+            if self.fail_fast:        # tensor parallel: every rank schedules alike, so it compiles now (a ValueError)
+                build(r, gt)
+            else:
+                # compiled on a thread: the loop steps the others meanwhile; it joins when compiled (_join_grammars)
+                self.grammars.submit(r, gt)
+                return r.id
         self.scheduler.add(r)
         return r.id
 
+    def _join_grammars(self) -> list:
+        """Requests whose grammar compiled join the schedule; those whose grammar cannot be served end, rejected
+        (their outputs). With nothing else to step, waits a little for a compile rather than spin."""
+        out = []
+        for r, err in self.grammars.finished(0.0 if self.scheduler.has_work() else 0.005):
+            if err is None:
+                self.scheduler.add(r)
+                continue
+            r.finished, r.finish_reason, r.error = True, FinishReason.REJECTED, str(err)
+            self.done[r.id] = r
+            out.append(StepOutput(r.id, None, True, FinishReason.REJECTED, str(err)))
+        return out
+
     def abort(self, rid: int) -> None:
-        r = self.scheduler.remove(rid)     # frees its KV slot
+        r = self.scheduler.remove(rid) or self.grammars.remove(rid)     # frees its KV slot
         if r is not None:
             r.finished, r.finish_reason = True, FinishReason.ABORT
             self.done[rid] = r
@@ -201,7 +226,7 @@ class Engine:
         return self.done.pop(rid, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.grammars)
 
     # -- hooks called by the model -------------------------------------------------------------
     def _record(self, moe_idx: int, ids) -> None:
@@ -248,6 +273,9 @@ class Engine:
         """One step: its outputs and its record. An error while executing the step fails that step's
         requests (their slots are freed) and nobody else's."""
         t0 = time.perf_counter()
+        rejected = self._join_grammars() if self.grammars else []
+        if rejected:
+            return StepResult(rejected, None)
         sched = self.scheduler.schedule(self._step_no)
         if not sched.requests:
             return StepResult([], None)
@@ -281,7 +309,31 @@ class Engine:
             # exactly, while the first layers run - not predicted
             for m, experts in self.model.known_experts([t for c in sched.chunks for t in c]).items():
                 self.store.prefetch(m, experts, self._step_no)
-        return self.model.forward([r.seq for r in sched.requests], sched.chunks, self._hooks())
+        return self.model.forward([r.seq for r in sched.requests], sched.chunks, self._step_hooks(sched))
+
+    def _step_hooks(self, sched: SchedulerOutput) -> StepHooks:
+        """The step's hooks, with the requests whose prompt's log-probabilities this step computes (prompt_logprobs:
+        every prompt token's logits, not only the last's; each request's whole prompt is computed - scheduler.py)."""
+        hooks = self._hooks()
+        want = {id(r.seq): r for r in sched.requests
+                if r.params.prompt_logprobs is not None and not r.output and r.recompute is None
+                and r.fed < len(r.prompt)}
+        if not want:
+            return hooks
+        # a chunk's first row is its request's position r.fed (advanced after the forward, in postprocess)
+        start = {k: r.fed for k, r in want.items()}
+        return replace(hooks, every_token=tuple(r.seq for r in want.values()),
+                       token_logits=lambda seq, row, logits: self._file_prompt_logprobs(want[id(seq)],
+                                                                                     start[id(seq)] + row, logits))
+
+    @staticmethod
+    def _file_prompt_logprobs(r: Request, pos: int, logits) -> None:
+        """Rows of logits [rows, vocab] from prompt position ``pos`` on: row i predicts prompt token pos + i + 1 (the
+        last position's row predicts the first output token: not the prompt's)."""
+        rows = min(logits.shape[0], len(r.prompt) - 1 - pos)
+        if rows > 0:
+            r.prompt_logprobs[pos + 1:pos + 1 + rows] = prompt_logprobs_of(
+                logits[:rows], r.prompt[pos + 1:pos + 1 + rows], r.params.prompt_logprobs)
 
     def _file_routing(self, sched: SchedulerOutput) -> list:
         """Routing of this step's tokens, per request, in feed order (one [tokens, L, k] array per

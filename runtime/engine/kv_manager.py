@@ -23,6 +23,11 @@ class KVManager:
     evictable in LRU order (a freed sequence's tail first), and is taken back only when no plain free block
     is left. ``match`` hands a new sequence the cached blocks of its prompt's longest cached prefix.
 
+    A salt (vLLM's ``cache_salt``) is the parent of a prompt's first block (``_root``), so the whole chain of a
+    salted prompt is keyed apart: blocks are shared only between sequences with the same salt, and unsalted
+    sequences share only with each other. Without it one client could tell from another's time to first token
+    (or ``cached_tokens``) whether a prefix was sent before: the prefix cache's timing side channel.
+
     Models with per-sequence state (linear attention's recurrent state, sliding-window rings, DeepSeek-V4's
     compressor windows) need that state at the prefix's end too, and it is not in any block: ``snapshot`` copies
     a sequence's state, at a block boundary, into one of ``snapshots`` spare state slots, filed under the block
@@ -71,9 +76,15 @@ class KVManager:
         return (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(
             self.device)
 
-    def _chain(self, tokens: list, n: int) -> list:
-        """The cached blocks of ``tokens``' first ``n`` full blocks, as far as they are cached."""
-        bs, got, parent = self.block_size, [], None
+    @staticmethod
+    def _root(salt: "str | None"):
+        """The parent of a prompt's first block: None unsalted; a salt's tagged tuple (never a block's
+        (block, generation) pair) otherwise."""
+        return None if salt is None else ("salt", salt)
+
+    def _chain(self, tokens: list, n: int, salt: "str | None" = None) -> list:
+        """The cached blocks of ``tokens``' first ``n`` full blocks (under ``salt``), as far as they are cached."""
+        bs, got, parent = self.block_size, [], self._root(salt)
         for i in range(n):
             b = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if b is None:
@@ -82,16 +93,16 @@ class KVManager:
             parent = (b, self.gen[b])
         return got
 
-    def match(self, seq: Sequence, tokens: list) -> int:
+    def match(self, seq: Sequence, tokens: list, salt: "str | None" = None) -> int:
         """Give a sequence that holds nothing the cached blocks of ``tokens``' longest cached prefix of full
-        blocks - leaving at least one token to feed (its logits are needed) - and, with per-sequence state, a
-        state slot holding the state after them (the prefix then ends at its deepest block with a snapshot);
-        returns the tokens it covers."""
+        blocks under ``salt`` - leaving at least one token to feed (its logits are needed) - and, with
+        per-sequence state, a state slot holding the state after them (the prefix then ends at its deepest block
+        with a snapshot); returns the tokens it covers."""
         if seq.blocks or seq.state is not None or (self.state_slots and not self.snapshots):
             return 0
         bs = self.block_size
         self.queries += len(tokens)
-        got = self._chain(tokens, (len(tokens) - 1) // bs)
+        got = self._chain(tokens, (len(tokens) - 1) // bs, salt)
         seq.cached_to = len(got) * bs
         if self.state_slots:
             while got and got[-1] not in self.snap:
@@ -111,14 +122,15 @@ class KVManager:
         self.hits += len(got) * bs
         return len(got) * bs
 
-    def snapshot(self, seq: Sequence, tokens: list) -> None:
+    def snapshot(self, seq: Sequence, tokens: list, salt: "str | None" = None) -> None:
         """File the sequence's state (it has fed exactly ``seq.length`` tokens, a whole number of blocks) under the
-        cached block that ends there - once per block; the least recently used snapshot makes room."""
+        cached block that ends there (``salt``: the sequence's) - once per block; the least recently used snapshot
+        makes room."""
         bs = self.block_size
         n = seq.length // bs
         if not self.snapshots or seq.state is None or n == 0 or seq.length % bs:
             return
-        chain = self._chain(tokens, n)
+        chain = self._chain(tokens, n, salt)
         if len(chain) < n:
             return                                  # not all of it cached (evicted meanwhile): nothing to file under
         b = chain[-1]
@@ -129,11 +141,12 @@ class KVManager:
         self.copy_state(seq.state, slot)
         self.snap[b] = slot
 
-    def register(self, seq: Sequence, tokens: list) -> None:
-        """Register the sequence's full blocks fed since the last call (``tokens``: at least its fed ones). A
-        block whose prefix is cached already in another block stays unregistered (one copy is cached)."""
+    def register(self, seq: Sequence, tokens: list, salt: "str | None" = None) -> None:
+        """Register the sequence's full blocks fed since the last call (``tokens``: at least its fed ones; ``salt``:
+        the sequence's, the same at every call). A block whose prefix is cached already in another block stays
+        unregistered (one copy is cached)."""
         bs = self.block_size
-        parent = seq.parent if seq.hashed else None
+        parent = seq.parent if seq.hashed else self._root(salt)
         for i in range(seq.hashed, min(seq.length // bs, len(seq.blocks))):
             b = seq.blocks[i]
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))

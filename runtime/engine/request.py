@@ -19,6 +19,7 @@ class FinishReason:
     LENGTH = "length"      # max_tokens reached
     ABORT = "abort"        # the client went away or asked
     ERROR = "error"        # the engine failed while serving it (the message says why); others go on
+    REJECTED = "rejected"  # its content cannot be served (its grammar failed while generating): the client's error
 
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows.
@@ -35,19 +36,22 @@ class TokenLogprobs:
     biases and temperature - vLLM's default ``raw_logprobs``), and the ``k`` most likely tokens with theirs."""
     logprob: float
     top: list                         # [(token id, logprob)], most likely first
+    rank: "int | None" = None         # its rank in the vocabulary (1: the likeliest), where asked for (prompt_logprobs)
 
 
 @dataclass
 class StepOutput:
     """One request's result of one step: a new token (None while its prompt is still being fed),
     and, when it finished, why; ``error`` names the cause of a failed request; ``logprobs`` when the
-    request asked for them."""
+    request asked for them; ``cached_tokens`` with its first token: the prompt tokens the prefix cache held."""
     request_id: int
     token: "int | None"
     finished: bool = False
     finish_reason: "str | None" = None
     error: "str | None" = None
     logprobs: "TokenLogprobs | None" = None
+    cached_tokens: "int | None" = None
+    prompt_logprobs: "list | None" = None      # with its first token, when asked for: Request.prompt_logprobs
 
 
 @dataclass
@@ -69,6 +73,11 @@ class SamplingParams:
     # grammar's language - a tool call the model starts by its family's marker is finished by the grammar
     # (what llguidance / vLLM call a lazy grammar or structural tag)
     trigger: "tuple | None" = None
+    # vLLM's: EOS (unless ignore_eos) and the stop token ids cannot be sampled before the output has min_tokens
+    min_tokens: int = 0
+    min_p: float = 0.0                # after temperature: tokens below min_p x the likeliest's probability are dropped
+    allowed_token_ids: "tuple | None" = None   # only these may be sampled
+    prompt_logprobs: "int | None" = None       # each prompt token's log-probability, rank and the k most likely
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -113,6 +122,24 @@ class SamplingParams:
             if self.grammar is not None:
                 raise ValueError("a request has either a grammar or a trigger, not both")
             self.trigger = t
+        self._check_vllm_fields()
+
+    def _check_vllm_fields(self) -> None:
+        if not (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+                and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.allowed_token_ids is not None:
+            ids = tuple(self.allowed_token_ids)
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            self.allowed_token_ids = ids
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
     @property
     def processes_logits(self) -> bool:
@@ -141,6 +168,38 @@ def process_logits(logits: torch.Tensor, p: SamplingParams, prompt: list, output
     return x
 
 
+def restrict(logits: torch.Tensor, p: SamplingParams, generated: int, eos) -> torch.Tensor:
+    """vLLM's allowed_token_ids (no other token may be sampled) and min_tokens (while the output has fewer than
+    min_tokens tokens, neither the stop token ids nor - unless ignore_eos - EOS may be): those at -inf.
+    logits: [vocab]; returns it untouched or a new tensor."""
+    banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos)) if generated < p.min_tokens else []
+    if p.allowed_token_ids is None and not banned:
+        return logits
+    V = logits.shape[-1]
+    off = torch.zeros(V, dtype=torch.bool, device=logits.device)
+    if p.allowed_token_ids is not None:
+        off[:] = True
+        off[torch.tensor([t for t in p.allowed_token_ids if t < V], dtype=torch.long, device=logits.device)] = False
+    if banned:
+        off[torch.tensor([t for t in banned if 0 <= t < V], dtype=torch.long, device=logits.device)] = True
+    return logits.masked_fill(off, float("-inf"))
+
+
+def prompt_logprobs_of(logits: torch.Tensor, targets: list, k: int) -> list:
+    """Per row of logits [n, vocab] (the model's raw ones at a prompt position): the log-probability of the prompt's
+    next token ``targets[i]``, its rank in the vocabulary (1: the likeliest; vLLM's), and the ``k`` most likely."""
+    lp = logits.float().log_softmax(-1)                                  # lp: [n, vocab]
+    t = torch.tensor(targets, dtype=torch.long, device=lp.device)
+    mine = lp.gather(1, t[:, None])[:, 0]                                # mine: [n]
+    ranks = ((lp > mine[:, None]).sum(1) + 1).tolist()
+    top = lp.topk(k) if k else None
+    out = []
+    for i, (v, rank) in enumerate(zip(mine.tolist(), ranks)):
+        alts = [] if top is None else list(zip(top.indices[i].tolist(), top.values[i].tolist()))
+        out.append(TokenLogprobs(v, alts, rank=rank))
+    return out
+
+
 def logprobs_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     """``token``'s log-probability and the ``k`` most likely under softmax(logits). logits: [vocab]."""
     lp = logits.float().log_softmax(-1)
@@ -159,7 +218,19 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: "torch.Generator | None
         raise FloatingPointError("the model produced no finite logit for this token")
     if p.temperature < SAMPLING_EPS:
         return int(logits.argmax())
+    probs = distribution(logits, p)
+    if not bool(torch.isfinite(probs).all()) or not probs.sum() > 0:
+        return int(logits.argmax())                # degenerate distribution: the mode
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The probabilities a non-greedy draw samples from, in vLLM's order: temperature, min_p (tokens whose
+    probability is below min_p x the likeliest's dropped), top_k, top_p. logits: [vocab]; float64 [vocab]."""
     x = logits.double() / p.temperature            # float64: small temperatures stay finite
+    if p.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k:
         kth = x.topk(min(p.top_k, x.numel())).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -169,9 +240,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: "torch.Generator | None
         keep = sp.cumsum(0) - sp < p.top_p         # the smallest prefix whose mass reaches top_p
         probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
         probs = probs / probs.sum()
-    if not bool(torch.isfinite(probs).all()) or not probs.sum() > 0:
-        return int(logits.argmax())                # degenerate distribution: the mode
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return probs
 
 
 @dataclass
@@ -194,6 +263,12 @@ class Request:
     preemptions: int = 0
     matcher: object = None                        # its grammar's state (grammar.Matcher), when it has one
     armed: object = None                          # its trigger's grammar, compiled, until the trigger token comes
+    # vLLM's cache_salt: its prefix-cache blocks are shared only with requests of the same salt (kv_manager.py)
+    cache_salt: "str | None" = None
+    cached_tokens: "int | None" = None            # prompt tokens found in the prefix cache at its first admission
+    # params.prompt_logprobs: per prompt position, None for the first, then its token's TokenLogprobs (the engine
+    # fills them as the prompt's chunks run)
+    prompt_logprobs: "list | None" = None
 
 
 @dataclass

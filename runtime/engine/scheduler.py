@@ -10,7 +10,8 @@ from cache_policy.keys import SCHEDULES
 
 from ..model.layers.cache import Sequence
 from .kv_manager import KVManager
-from .request import FinishReason, Request, SchedulerOutput, StepOutput, logprobs_of, process_logits, sample
+from .request import (FinishReason, Request, SchedulerOutput, StepOutput, logprobs_of, process_logits, restrict,
+                      sample)
 
 
 class Scheduler:
@@ -115,10 +116,13 @@ class Scheduler:
             if seqs is not None:
                 seqs -= 1
             self.running.append(self.waiting.pop(0))
-            if self.prefix_caching:
-                hit = self.blocks.match(r.seq, r.recompute if r.recompute is not None else r.prompt)
-                if hit:
-                    r.fed = hit           # the cached prefix is in the cache already: feed the rest
+            # prompt_logprobs need every prompt position's logits: such a request computes its whole prompt (vLLM's)
+            hit = self.blocks.match(r.seq, r.recompute if r.recompute is not None else r.prompt, r.cache_salt) \
+                if self.prefix_caching and r.params.prompt_logprobs is None else 0
+            if hit:
+                r.fed = hit               # the cached prefix is in the cache already: feed the rest
+            if r.cached_tokens is None:
+                r.cached_tokens = hit     # what usage reports: the first admission's (vLLM's num_cached_tokens)
 
     def _prefix_in_flight(self, r: Request) -> bool:
         """Whether a running request still feeding its prompt starts with the same first block as ``r``:
@@ -129,7 +133,9 @@ class Scheduler:
         if (self.blocks.state_slots and not self.blocks.snapshots) or len(src) <= bs:
             return False
         head = src[:bs]
-        return any(not self.decoding(x) and (x.recompute if x.recompute is not None else x.prompt)[:bs] == head
+        # another salt's prefix is not waited for: the wait would tell that someone is sending it
+        return any(not self.decoding(x) and x.cache_salt == r.cache_salt
+                   and (x.recompute if x.recompute is not None else x.prompt)[:bs] == head
                    and x.fed < len(x.recompute if x.recompute is not None else x.prompt) for x in self.running)
 
     def _next_chunk(self, r: Request, budget: "int | None") -> "list | None":
@@ -196,8 +202,10 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
         self.blocks.release(r.seq)
-        r.finished, r.finish_reason, r.error = True, FinishReason.ERROR, message
-        return StepOutput(r.id, None, True, FinishReason.ERROR, message)
+        # a grammar that fails while generating (a limit of its own hit) is the request's error, not the engine's
+        reason = FinishReason.REJECTED if getattr(r.matcher, "failed", False) else FinishReason.ERROR
+        r.finished, r.finish_reason, r.error = True, reason, message
+        return StepOutput(r.id, None, True, reason, message)
 
     def postprocess(self, sched: SchedulerOutput, logits, now: float) -> "tuple[list, list, int]":
         """Advance each request by its chunk, sample where its prompt is done, finish on a stop token
@@ -213,16 +221,16 @@ class Scheduler:
             bs = self.blocks.block_size
             for r in sched.requests:      # full blocks fed this step join the prefix cache
                 if r.seq.length // bs > r.seq.hashed:
-                    self.blocks.register(r.seq, r.prompt + r.output)
+                    self.blocks.register(r.seq, r.prompt + r.output, r.cache_salt)
                 if self._snapshots() and not self.decoding(r) and r.seq.length % bs == 0:
                     src = r.recompute if r.recompute is not None else r.prompt
                     if r.seq.length in self._boundaries(r, src):
-                        self.blocks.snapshot(r.seq, src)      # the state after this step's chunk
+                        self.blocks.snapshot(r.seq, src, r.cache_salt)      # the state after this step's chunk
         for r, s, pick in zip(sched.requests, sampled, picks):
             if not s:
                 out.append(StepOutput(r.id, None))
                 continue
-            tok, err, lp = pick
+            tok, err, lp, plp = pick
             if err is not None:        # this request alone
                 out.append(self.fail(r, err))
                 ended.append(r)
@@ -231,6 +239,8 @@ class Scheduler:
             if r.first_token_time is None:
                 r.first_token_time = now
             r.output.append(tok)
+            if plp is not None:
+                r.prompt_logprobs = plp             # the sampling rank's (a pipeline's first stage computed none)
             p = r.params
             grammar_done = False
             if r.matcher is not None and not (tok in self.eos and not p.ignore_eos) and tok not in p.stop_token_ids:
@@ -250,25 +260,27 @@ class Scheduler:
                 r.finished, r.finish_reason = True, FinishReason.STOP
             elif len(r.output) >= p.max_tokens:
                 r.finished, r.finish_reason = True, FinishReason.LENGTH
-            out.append(StepOutput(r.id, tok, r.finished, r.finish_reason, logprobs=lp))
+            out.append(StepOutput(r.id, tok, r.finished, r.finish_reason, logprobs=lp,
+                                  cached_tokens=r.cached_tokens if len(r.output) == 1 else None, prompt_logprobs=plp))
             if r.finished:
                 self.running.remove(r)
                 self.blocks.release(r.seq)
                 ended.append(r)
         return out, ended, failed
 
-    @staticmethod
-    def _pick(r: Request, logits) -> tuple:
-        """(token, None, logprobs or None) or (None, why sampling failed, None)."""
+    def _pick(self, r: Request, logits) -> tuple:
+        """(token, None, logprobs or None, prompt logprobs or None) or (None, why sampling failed, None, None). The
+        prompt's log-probabilities travel with the first token (what ``token_sync`` hands every rank)."""
         try:
             p = r.params
-            x = process_logits(logits, p, r.prompt, r.output)
+            x = restrict(process_logits(logits, p, r.prompt, r.output), p, len(r.output), self.eos)
             if r.matcher is not None:
                 x = r.matcher.mask(x)                    # only what the grammar allows next
             tok = sample(x, p, r.gen)
-            return tok, None, (logprobs_of(logits, tok, p.logprobs) if p.logprobs is not None else None)
+            plp = list(r.prompt_logprobs) if r.prompt_logprobs is not None and not r.output else None
+            return tok, None, (logprobs_of(logits, tok, p.logprobs) if p.logprobs is not None else None), plp
         except Exception as e:  # noqa: BLE001 - fails this request alone
-            return None, f"{type(e).__name__}: {e}", None
+            return None, f"{type(e).__name__}: {e}", None, None
 
     @staticmethod
     def _advance(r: Request, n: int) -> bool:

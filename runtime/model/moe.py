@@ -335,8 +335,24 @@ class MoEModel:
             self.pipe.send(h)
             return None
         x = res.leave(h)                                                 # x: [tokens, hidden]
+        if hooks.every_token:
+            self._every_token(seqs, ctx.spans, x, hooks)
         # decode: every token is its sequence's last
-        h = self.norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans], device=self.device)])
+        return self._logits(self.norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans],
+                                                                           device=self.device)]))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: normed hidden states [rows, hidden] -> float32 logits [rows, vocab]."""
         if self.head is not None:
             return self.head(h).float()
         return torch.nn.functional.linear(h, self.embed).float()   # tied: the embedding's rows
+
+    EVERY_TOKEN_ROWS = 64      # logits rows made at once for hooks.every_token (a row is vocab x 4 bytes)
+
+    def _every_token(self, seqs: list, spans: list, x: torch.Tensor, hooks: StepHooks) -> None:
+        """The logits of every token of the sequences in ``hooks.every_token`` (prompt_logprobs), to
+        ``hooks.token_logits``, EVERY_TOKEN_ROWS rows at a time."""
+        for s, (a, b) in zip(seqs, spans):
+            if any(s is w for w in hooks.every_token):
+                for i in range(a, b, self.EVERY_TOKEN_ROWS):
+                    hooks.token_logits(s, i - a, self._logits(self.norm(x[i:min(b, i + self.EVERY_TOKEN_ROWS)])))

@@ -431,9 +431,10 @@ class GroupEngine:
     def __getattr__(self, name: str):
         return getattr(self.eng, name)
 
-    def add_request(self, prompt: list, params=None) -> int:
-        rid = self.eng.add_request(prompt, params)       # validated here first: a bad request never travels
-        self._queue.append(("add", [int(t) for t in prompt], params))
+    def add_request(self, prompt: list, params=None, cache_salt: "str | None" = None) -> int:
+        rid = self.eng.add_request(prompt, params, cache_salt)      # validated here first: a bad request never travels
+        # the salt too: every rank schedules alike, prefix-cache hits included
+        self._queue.append(("add", [int(t) for t in prompt], params, cache_salt))
         return rid
 
     def abort(self, rid: int) -> None:
@@ -553,7 +554,7 @@ class Worker:
         eng = self.eng
         kind = c[0]
         if kind == "add":
-            eng.add_request(c[1], c[2])
+            eng.add_request(c[1], c[2], c[3])
         elif kind == "abort":
             eng.abort(c[1])
         elif kind == "forget":

@@ -4,7 +4,9 @@ client's receiver thread feeds; tokenization, JSON parsing of large bodies and w
 engine restart run in the thread pool, never on the event loop.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (server-sent events
-with ``"stream": true``, usage with ``stream_options.include_usage``), GET /health, GET /metrics.
+with ``"stream": true``, usage with ``stream_options.include_usage``), POST /v1/responses and GET
+/v1/responses/{id} (OpenAI's Responses API), vLLM's POST /tokenize and /detokenize, GET /version,
+GET /health, GET /metrics.
 Errors use OpenAI's object ``{"error": {"message", "type", "param", "code"}}`` - for every status,
 malformed requests and unknown methods included.
 
@@ -19,10 +21,12 @@ disconnects has its request aborted.
 Modules: this one (``Server``: the engine client and the HTTP server's life, and turning a request body into the
 engine's prompt and sampling parameters), transport.py (uvicorn's protocol with deadlines, the Host check),
 routes.py (the endpoints), responses.py (a request's choices as OpenAI's objects), streams.py (server-sent
-events), tool_parsers/ (tool calls, one module per family's format).
+events), tool_parsers/ (tool calls, one module per family's format), reasoning.py (thinking split into
+reasoning_content), responses_api.py (the Responses API on the chat path), identity.py (version, fingerprint).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import socket
@@ -31,10 +35,14 @@ import time
 
 from ..engine.request import MAX_LOGPROBS
 from ..tokenizer import Tokenizer
-from .chat import ChatFormatter
+from .chat import ChatFormatter, reply_tail, template_options
+from .admission import Admission
 from .client import EngineClient
+from .isolation import CacheIsolation, api_keys
 from .metrics import ServerMetrics
-from .params import ApiError, number, response_format
+from .params import ApiError, constraint, number, vllm_sampling
+from .identity import system_fingerprint
+from .reasoning import reasoning_format
 from .routes import build_app
 from .tool_parsers import ToolFormat, tool_format
 from .transport import loopback, uvicorn_server
@@ -43,27 +51,42 @@ MAX_BODY = 8 << 20
 PREFIX_MARGIN = 64           # tokens a prefix's cut may add (Server.encode)
 MAX_N = 16                   # choices per request
 MAX_LOGIT_BIAS = 300         # logit_bias entries (OpenAI's limit)
-TOKENIZE_AT_ONCE = 4         # requests tokenizing at the same time (Server.encode)
+TOKENIZE_AT_ONCE = 4         # requests with long prompts tokenizing at the same time (Server.lane, Server.encode)
+LONG_PROMPT = 16384          # characters of a prompt (or of a chat's messages) that make it long (Server.lane)
+SHUTDOWN_GRACE = 10.0        # seconds open requests may run on once the server is told to stop (Server.close)
 
 
 class Server:
     """Engine client + HTTP server. ``start()`` returns once both listen; ``close()`` stops both."""
 
-    def __init__(self, cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: "str | None" = None,
+    def __init__(self, cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: "str | list | None" = None,
                  served_model_name: "str | None" = None, startup_timeout: float = 300.0, timeout: float = 60.0,
                  heartbeat_timeout: float = 60.0, restart_wait: float = 60.0, max_body: int = MAX_BODY,
-                 allowed_hosts: "list | None" = None) -> None:
+                 allowed_hosts: "list | None" = None, reasoning_parser: str = "auto",
+                 prefix_cache_isolation: str = "none", shutdown_grace: float = SHUTDOWN_GRACE) -> None:
         """``allowed_hosts``: the names the ``Host`` header may carry (a web page's DNS-rebinding attack sends its
-        own); None: a keyless server on a loopback address takes only loopback names, any other takes any."""
-        self.cfg, self.api_key = cfg, api_key
-        if allowed_hosts is None and api_key is None and loopback(host):
+        own); None: a keyless server on a loopback address takes only loopback names, any other takes any.
+        ``api_key``: one key or several (any of them is accepted). ``prefix_cache_isolation``: "none", or "api-key"
+        (each key's requests share prefix-cache blocks only with that key's: isolation.py). ``shutdown_grace``:
+        seconds ``close`` lets open requests finish."""
+        self.cfg, self.api_keys = cfg, api_keys(api_key)
+        self.api_key = self.api_keys[0] if self.api_keys else None
+        self.isolation = CacheIsolation(prefix_cache_isolation, self.api_keys)
+        if not (isinstance(shutdown_grace, (int, float)) and 0 <= shutdown_grace < float("inf")):
+            raise ValueError(f"shutdown grace must be a finite number of seconds >= 0, got {shutdown_grace!r}")
+        self.shutdown_grace = float(shutdown_grace)
+        self._hurry = threading.Event()
+        if allowed_hosts is None and not self.api_keys and loopback(host):
             allowed_hosts = ["localhost", "127.0.0.1", "::1", host]
         self.allowed_hosts = None if allowed_hosts is None else {h.strip("[]").lower() for h in allowed_hosts}
         self.tok = Tokenizer(cfg.model)
         if not self.tok.available:
             raise ValueError(f"{cfg.model}: no tokenizer.json; serving needs the checkpoint's tokenizer")
         self.chat = ChatFormatter(cfg.model)
+        # the family's thinking format (reasoning.FORMATS: by the template's markers, or named by the option)
+        self.reasoning = reasoning_format(self.chat.template_text, reasoning_parser)
         self._tokenizing = threading.BoundedSemaphore(TOKENIZE_AT_ONCE)
+        self._long_lane = None        # anyio's CapacityLimiter of TOKENIZE_AT_ONCE (made on the event loop: lane)
         self.metrics = ServerMetrics()
         self.timeout, self.max_body = timeout, max_body
         self.engine = EngineClient(cfg, metrics=self.metrics, startup_timeout=startup_timeout,
@@ -75,6 +98,8 @@ class Server:
                                self.engine.info.get("longest_sequence") or self.engine.info["max_context"])
         self.model_context = self.engine.info["max_context"]
         self.vocab_size = self.engine.info["vocab_size"]
+        # grammars are compiled in its worker processes before the engine sees them (admission.py)
+        self.admission = Admission.for_model(cfg.model, self.vocab_size, self.tok, self.chat)
         self.created = int(time.time())
         try:
             fam = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -83,6 +108,7 @@ class Server:
             self.sock.bind((host, port))
             self.sock.listen(512)
         except OSError as e:
+            self.admission.close()
             self.engine.close()
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
         self.host, self.port = self.sock.getsockname()[:2]
@@ -110,19 +136,29 @@ class Server:
     def serve_forever(self) -> None:
         self.uv.run(sockets=[self.sock])
 
-    def close(self) -> None:
+    def hurry(self) -> None:
+        """End the grace a ``close`` under way gives open requests (a second Ctrl-C)."""
+        self._hurry.set()
+
+    def close(self, grace: "float | None" = None) -> None:
+        """Stop: no new connection is taken (uvicorn closes the listening socket and idle connections at once),
+        open requests run on for up to ``grace`` seconds (``shutdown_grace`` unless given), then what is left ends
+        with an error (a stream: an error event and [DONE]); then the engine stops."""
         if self._thread is not None:
-            # open requests end first, each with an error (a stream: an error event and [DONE]), then the loop
-            self.engine.fail_all("the server is shutting down")
-            deadline = time.monotonic() + 2.0
-            while self.open_requests and time.monotonic() < deadline:
-                time.sleep(0.02)
+            grace = self.shutdown_grace if grace is None else grace
+            # uvicorn's own wait for open connections outlasts ours: those left get their error events sent
+            self.uv.config.timeout_graceful_shutdown = grace + 2
             self.uv.should_exit = True
-            self._thread.join(10)
+            deadline = time.monotonic() + grace
+            while self.open_requests and time.monotonic() < deadline and not self._hurry.is_set():
+                time.sleep(0.02)
+            self.engine.fail_all("the server is shutting down")
+            self._thread.join(grace + 10)
         try:
             self.sock.close()
         except OSError:
             pass
+        self.admission.close()
         self.engine.close()
 
     # -- building requests ---------------------------------------------------------------------
@@ -174,9 +210,9 @@ class Server:
                 raise ApiError(400, f"'stop_token_ids' must be a list of up to 64 token ids in [0, {self.vocab_size})",
                                param="stop_token_ids")
             out["stop_token_ids"] = list(stop_ids)
-        grammar = response_format(body)
-        if grammar is not None:
-            out["grammar"] = grammar
+        c = constraint(body)            # response_format, guided_* or structured_outputs: (field, grammar)
+        if c is not None:
+            out["grammar"] = c[1]
         bias = body.get("logit_bias")
         if bias is not None:
             if not isinstance(bias, dict):
@@ -194,6 +230,7 @@ class Server:
             if len(pairs) > MAX_LOGIT_BIAS:
                 raise ApiError(400, f"'logit_bias' has {len(pairs)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
             out["logit_bias"] = pairs or None
+        out.update(vllm_sampling(body, out["max_tokens"], self.vocab_size))
         return out
 
     def _why(self) -> str:
@@ -218,7 +255,13 @@ class Server:
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
                        param="prompt")
 
-    def chat_prompt(self, body: dict, tools=None) -> list:
+    def chat_text(self, body: dict, tools=None) -> str:
+        """The body's messages rendered by the chat template, with its template fields (chat.template_options)."""
+        return self.chat_render(body, tools)[0]
+
+    def chat_render(self, body: dict, tools=None) -> "tuple[str, str]":
+        """``chat_text`` and the part of it the reply follows on from (chat.reply_tail)."""
+        opts = template_options(body)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -251,10 +294,16 @@ class Server:
                     item[k] = m[k]
             clean.append(item)
         try:
-            text = self.chat.render(clean, tools.template_tools() if tools is not None else None)
+            text = self.chat.render(clean, tools.template_tools() if tools is not None else None, **opts)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        return self.encode(text, "messages")
+        return text, reply_tail(text, clean, opts["continue_final_message"])
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """``system_fingerprint``: the same while this package's version and the store's contents are (its
+        manifest, not its path), so a client can tell when what answers it changed."""
+        return system_fingerprint(self.cfg.model)
 
     @functools.cached_property
     def tool_format(self) -> ToolFormat:
@@ -262,15 +311,27 @@ class Server:
         every streamed token of a tools choice, found once."""
         return tool_format(self.chat.template_text)
 
-    def encode(self, text: str, param: str) -> list:
+    def lane(self, body: dict):
+        """How a request's prompt is rendered and tokenized off the event loop: ``await lane(fn, *args)``. In
+        the worker threads; a long prompt (over ``LONG_PROMPT`` characters) waits for one of
+        ``TOKENIZE_AT_ONCE`` turns on the event loop, holding no thread: 48 clients sending 260,000-character
+        prompts once held every worker thread (each waiting for its turn to tokenize) and a normal request
+        waited seconds for one."""
+        import anyio
+        if self._long_lane is None:
+            self._long_lane = anyio.CapacityLimiter(TOKENIZE_AT_ONCE)
+        limiter = self._long_lane if prompt_chars(body) > LONG_PROMPT else None
+        return lambda fn, *args: anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+    def encode(self, text: str, param: str, special: bool = True) -> list:
         """Text -> ids; refuses text that cannot be valid UTF-8 (lone surrogates) and text too long for the
         context without tokenizing all of it: past 64 characters per token nothing fits (beyond any
-        vocabulary's tokens); below that, growing prefixes are counted first (the context's length in
-        characters, then doubling), and one that already has more tokens than the context proves the whole text
-        too long. So a refused prompt costs the tokenizer at most about twice the context in tokens, not the
-        prompt's, and at most ``TOKENIZE_AT_ONCE`` requests tokenize at a time (the work is CPU-bound: more at
-        once only holds more memory): 48 prompts of 64x the context once took the front-end from 58 to 709 MB,
-        holding every one's full encoding."""
+        vocabulary's tokens); below that, a text longer than the context in characters is counted in pieces of
+        that length first, and once their counts (less a margin per cut) pass the context the whole cannot fit.
+        So a refused prompt costs the tokenizer about the context in tokens, not the prompt's (growing prefixes,
+        counted before, cost up to 4x as much), and a long text tokenizes at most ``TOKENIZE_AT_ONCE`` at a time
+        (CPU-bound: more at once only holds more memory): 48 prompts of 64x the context once took the front-end
+        from 58 to 709 MB, holding every one's full encoding."""
         limit = self.max_context
         too_long = ApiError(400, f"'{param}' has {len(text):,} characters: more than this model's context of "
                                  f"{limit} tokens can hold", param=param, code="context_length_exceeded")
@@ -281,15 +342,29 @@ class Server:
         except UnicodeEncodeError as e:
             raise ApiError(400, f"'{param}' is not valid Unicode text ({e.reason} at position {e.start})",
                            param=param) from None
-        with self._tokenizing:
-            n = limit + 1                 # a token has a character at least: shorter text always fits
-            while n < len(text):
-                # a prefix ends inside at most one pre-token of the whole text: its count exceeds the whole's share
-                # of that prefix by that piece at most (the margin)
-                if len(self.tok.encode(text[:n])) > limit + PREFIX_MARGIN:
+        with self._tokenizing if len(text) > LONG_PROMPT else contextlib.nullcontext():
+            step, total = limit + 1, 0    # a text no longer than the context in characters: tokenized whole
+            for i in range(0, len(text) if len(text) > step else 0, step):
+                # each cut splits at most one pre-token of the whole text: a piece's count exceeds the whole's
+                # share of it by at most that pre-token's pieces (a margin per cut, two cuts per piece)
+                total += len(self.tok.encode(text[i:i + step], False)) - 2 * PREFIX_MARGIN
+                if total > limit:
                     raise too_long
-                n *= 2
-            return self.tok.encode(text)
+            return self.tok.encode(text, special)
+
+
+def prompt_chars(body: dict) -> int:
+    """Characters of a body's prompt, or of its messages' text (what rendering and tokenizing it costs)."""
+    p, n = body.get("prompt"), 0
+    for x in (p if isinstance(p, list) else [p]):
+        n += len(x) if isinstance(x, str) else 0
+    msgs = body.get("messages")
+    for m in (msgs if isinstance(msgs, list) else []):
+        c = m.get("content") if isinstance(m, dict) else None
+        for x in (c if isinstance(c, list) else [c]):
+            t = x.get("text") if isinstance(x, dict) else x
+            n += len(t) if isinstance(t, str) else 0
+    return n
 
 
 def _args(fn: dict):

@@ -51,6 +51,7 @@ class EngineClient:
         self._qlock = threading.Lock()
         self._stop = threading.Event()
         self._up = threading.Event()          # set while an engine is running and ready
+        self._closing: "str | None" = None    # why requests are refused from now on (fail_all)
         self.alive = False
         self.proc = None
         self.restarts = 0
@@ -109,16 +110,19 @@ class EngineClient:
                 raise EngineError("the server is shutting down")
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, rid: str, prompt: list, params: dict, q=None):
+    def submit(self, rid: str, prompt: list, params: dict, q=None, cache_salt: "str | None" = None):
         """Send a request; its results go to ``q`` (anything with ``put``; a new queue.Queue by
-        default) as (kind, payload, time) items: token, rejected, failed, dead."""
+        default) as (kind, payload, time) items: token ((id, finish reason, logprobs, cached tokens, prompt logprobs)),
+        rejected, failed, dead. ``cache_salt``: its prefix-cache salt (protocol.py)."""
+        if self._closing is not None:
+            raise EngineError(self._closing)   # fail_all ended the others: a late one is not started
         if not self.alive and not self._stop.is_set():
             self._up.wait(self.restart_wait)   # an engine being restarted: wait for it (bounded)
         q = queue.Queue() if q is None else q
         with self._qlock:
             self._queues[rid] = q
         try:
-            self._send(encode("add", rid=rid, prompt=prompt, params=params))
+            self._send(encode("add", rid=rid, prompt=prompt, params=params, cache_salt=cache_salt))
         except EngineError:
             self.release(rid)
             raise
@@ -133,7 +137,8 @@ class EngineClient:
                 pass
 
     def fail_all(self, why: str) -> None:
-        """End every open request with ``why`` (the server is shutting down)."""
+        """End every open request with ``why`` (the server is shutting down), and refuse new ones."""
+        self._closing = why
         with self._qlock:
             for q in self._queues.values():
                 q.put(("shutdown", why, time.monotonic()))
@@ -230,10 +235,10 @@ class EngineClient:
                 q = self._queues.get(rid)
                 if q:
                     q.put(("failed", text, now))
-            for rid, tok, reason, lp in msg["outputs"]:
+            for rid, tok, reason, lp, cached, plp in msg["outputs"]:
                 q = self._queues.get(rid)
                 if q:
-                    q.put(("token", (tok, reason, lp), now))
+                    q.put(("token", (tok, reason, lp, cached, plp), now))
 
     def _engine_died(self, why: str) -> None:
         self.alive = False

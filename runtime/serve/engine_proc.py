@@ -86,7 +86,7 @@ def _take_messages(pull, eng, iid_of: dict, rid_of: dict) -> "list | None":
         if kind == "add":
             try:
                 params = SamplingParams(**msg["params"])
-                iid = eng.add_request(msg["prompt"], params)
+                iid = eng.add_request(msg["prompt"], params, msg.get("cache_salt"))
             except (ValueError, TypeError) as e:
                 rejected.append([msg["rid"], str(e)])
                 continue
@@ -100,16 +100,27 @@ def _take_messages(pull, eng, iid_of: dict, rid_of: dict) -> "list | None":
                 rid_of.pop(iid, None)
 
 
-def _step(eng, iid_of: dict, rid_of: dict) -> tuple:
-    """One engine step -> (outputs [[rid, token, finish, logprobs]], failed [[rid, why]], the step's record)."""
+def _prompt_logprobs(entries: "list | None") -> "list | None":
+    """A request's prompt logprobs on the wire: [None, [logprob, rank, [[id, logprob], ...]], ...]."""
+    if entries is None:
+        return None
+    return [None if e is None else [e.logprob, e.rank, [list(t) for t in e.top]] for e in entries]
+
+
+def _step(eng, iid_of: dict, rid_of: dict, rejected: list) -> tuple:
+    """One engine step -> (outputs [[rid, token, finish, logprobs, cached tokens, prompt logprobs]], failed [[rid, why]], the step's
+    record); requests ended for their content (a grammar that failed while generating) join ``rejected``."""
     outputs, failed, record = [], [], {}
     res = eng.step_result()
     for o in res.outputs:
-        if o.finish_reason == FinishReason.ERROR:
+        if o.finish_reason == FinishReason.REJECTED:      # the client's error: a 400, not the engine failing
+            rejected.append([rid_of[o.request_id], o.error or "rejected"])
+        elif o.finish_reason == FinishReason.ERROR:
             failed.append([rid_of[o.request_id], o.error or "error"])
         elif o.token is not None:
             lp = None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
-            outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason, lp])
+            outputs.append([rid_of[o.request_id], int(o.token), o.finish_reason, lp, o.cached_tokens,
+                            _prompt_logprobs(o.prompt_logprobs)])
         if o.finished:
             eng.forget(o.request_id)
             iid_of.pop(rid_of.pop(o.request_id), None)
@@ -152,7 +163,7 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
             rejected = _take_messages(pull, eng, iid_of, rid_of)
             if rejected is None:           # shutdown
                 return
-            outputs, failed, record = _step(eng, iid_of, rid_of) if eng.has_work() else ([], [], {})
+            outputs, failed, record = _step(eng, iid_of, rid_of, rejected) if eng.has_work() else ([], [], {})
             now = time.monotonic()
             if outputs or rejected or failed or record or now - last_stats > 1.0:
                 stats = {**store.snapshot(), **_engine_stats(eng)}
@@ -170,4 +181,9 @@ def _serve(cfg: EngineConfig, pull, push, parent_pid: int) -> None:
 
 if __name__ == "__main__":
     import json
-    sys.exit(engine_main(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    code = engine_main(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    # Everything is closed (the store, the ranks, the sockets): the interpreter's teardown (a second with torch
+    # loaded, which a server's shutdown waits for) is skipped, as multiprocessing's children skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

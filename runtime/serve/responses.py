@@ -10,12 +10,13 @@ import time
 from typing import TYPE_CHECKING
 
 from .harmony import split
-from .params import ApiError, Detokenizer
-from .tool_parsers import constrained_calls, parse_auto
+from .params import ApiError, Detokenizer, PromptShown
+from .tool_parsers import constrained_calls, cut_reply, parse_auto
 from .transport import ClientGone, disconnect
 
 if TYPE_CHECKING:
     from .api import Server
+    from .reasoning import Reasoner
     from .tool_parsers import Tools
 
 
@@ -38,6 +39,9 @@ class Events:
         self.watch = None          # a task that ends when the client disconnects
         self.logprobs: list = []   # every token's [id, logprob, [[id, logprob], ...]] (when asked for)
         self.pending = 0           # of those, not yet sent with a delta
+        self.cached = 0            # prompt tokens the prefix cache held (the engine says with the first token)
+        # prompt_logprobs (or echo with logprobs): per prompt position None or [logprob, rank, [[id, logprob], ...]]
+        self.prompt_logprobs: "list | None" = None
 
     async def __aiter__(self):
         """Yields (delta, finish_reason or None, the log-probabilities of the tokens since the last delta)."""
@@ -51,9 +55,13 @@ class Events:
                 continue
             if kind != "token":
                 self.fail(kind, payload)
-            tok, reason, lp = payload
+            tok, reason, lp, cached, plp = payload
+            if cached is not None:
+                self.cached = cached
+            if plp is not None:
+                self.prompt_logprobs = plp
             self.count(when, tok, lp)
-            delta, hit_stop = self.detok.push(tok)
+            delta, hit_stop = self.detok.push(tok, reason)
             if hit_stop:
                 reason = "stop"
             if reason is not None:
@@ -145,7 +153,8 @@ class Logprobs:
             t = self.text(tid)
             out["tokens"].append(t)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self.text(i): v for i, v in top} if self.k else None)
+            # (echo: the prompt's first token has no logprob and no alternatives)
+            out["top_logprobs"].append({self.text(i): v for i, v in top} if self.k and top is not None else None)
             out["text_offset"].append(self.offset)
             self.offset += len(t)
         return out
@@ -155,23 +164,33 @@ class Choices:
     """A request's ``n`` choices (n engine requests): collected together, or merged into one stream."""
 
     def __init__(self, srv: "Server", evs: list, chat: bool, n_prompt: int, k: "int | None",
-                 tools: "Tools | None" = None, harmony: bool = False) -> None:
+                 tools: "Tools | None" = None, harmony: bool = False, reasoner: "Reasoner | None" = None) -> None:
         self.srv, self.evs, self.chat, self.n_prompt, self.tools = srv, evs, chat, n_prompt, tools
         self.harmony = harmony      # a gpt-oss chat reply: channels split into reasoning, content and calls
+        self.reasoner = reasoner    # a reply's thinking block (reasoning.py): split off before anything is parsed
         self.rid = evs[0].rid.rsplit("-", 1)[0] if len(evs) > 1 else evs[0].rid
         self.lp = [Logprobs(srv.tok, chat, k) if k is not None else None for _ in evs]
+        self.shown = PromptShown()  # what the response shows of the prompt (echo, prompt_logprobs): routes.py sets it
 
     def events(self, index: int) -> Events:
         return next(e for e in self.evs if e.index == index)
 
+    def parts(self, text: str, final: bool = False) -> "tuple[str, str]":
+        """(reasoning, the rest) of a chat choice's text so far (all of it the rest without a thinking block)."""
+        return ("", text) if self.reasoner is None else self.reasoner.split(text, final)
+
     def message(self, text: str, finish: str) -> "tuple[str | None, list, str]":
         """(content, tool_calls, finish_reason) of a chat choice: its text, or the tool calls in it."""
         t = self.tools
+        text = self.parts(text, final=True)[1]         # the calls and the content follow the thinking
         if self.harmony:
             content, calls = self.srv.tool_format.parse(text, t.functions if t is not None else [])
             if t is None or finish != "stop":
                 return content, [], finish
             return (content.strip() or None) if calls else content, calls, "tool_calls" if calls else finish
+        if t is not None and finish == "length":        # cut: the calls it completed, as a stream sends them
+            content, calls = cut_reply(t, self.srv.tool_format, text)
+            return content, calls, finish
         if t is None or finish != "stop":
             return text, [], finish
         if t.choice in ("required", "named"):
@@ -183,8 +202,11 @@ class Choices:
         return content, calls, "tool_calls" if calls else finish
 
     def usage(self) -> dict:
+        """OpenAI's usage; ``cached_tokens``: the prompt tokens the prefix cache held (the first choice's: the
+        prompt is counted once)."""
         n = sum(ev.n for ev in self.evs)
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n,
+                "prompt_tokens_details": {"cached_tokens": self.events(0).cached}}
 
     def watch(self, receive) -> "asyncio.Future":
         """One task that ends when the client disconnects, for every choice."""
@@ -210,22 +232,61 @@ class Choices:
         finally:
             gone.cancel()
         choices = [self.choice(ev, finish, lp) for ev, finish, lp in zip(self.evs, finishes, self.lp)]
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": int(time.time()), "model": self.srv.model_name, "choices": choices, "usage": self.usage()}
+        out = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+               "created": int(time.time()), "model": self.srv.model_name,
+               "system_fingerprint": self.srv.fingerprint, "choices": choices, "usage": self.usage()}
+        if self.chat and self.shown.logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs(self.events(0))     # vLLM's place for chat: the response's
+        return out
+
+    def prompt_logprobs(self, ev: Events) -> "list | None":
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first), else {token id: {logprob, rank,
+        decoded_token}} of the prompt's token and the most likely ones (logprobs floored at -9999, as vLLM's)."""
+        if ev.prompt_logprobs is None:
+            return None
+        text: dict = {}
+
+        def one(tid, v, rank) -> dict:
+            if tid not in text:
+                text[tid] = self.srv.tok.decode([tid])
+            return {"logprob": max(v, -9999.0), "rank": rank, "decoded_token": text[tid]}
+        out = []
+        for tid, e in zip(self.shown.ids, ev.prompt_logprobs):
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(tid): one(tid, e[0], e[1])}
+            for j, (i, v) in enumerate(e[2]):
+                d.setdefault(str(i), one(i, v, j + 1))
+            out.append(d)
+        return out
+
+    def echoed(self, ev: Events) -> list:
+        """echo with logprobs: the prompt tokens' entries [id, logprob, [[id, logprob], ...]] before the output's
+        (the first token has neither: None, None)."""
+        if self.lp[0] is None or ev.prompt_logprobs is None:
+            return []
+        ids, k = self.shown.ids, self.lp[0].k
+        return [[ids[0], None, None]] + [[t, e[0], e[2][:k]] for t, e in zip(ids[1:], ev.prompt_logprobs[1:])]
 
     def choice(self, ev: Events, finish: str, lp: "Logprobs | None") -> dict:
         """A finished choice of a non-streaming response."""
-        logprobs = lp.format(ev.logprobs) if lp is not None else None
+        echo = self.shown.echo
+        logprobs = lp.format((self.echoed(ev) if echo is not None else []) + ev.logprobs) if lp is not None else None
         if not self.chat:
-            return {"index": ev.index, "text": ev.detok.text, "logprobs": logprobs, "finish_reason": finish}
+            out = {"index": ev.index, "text": (echo or "") + ev.detok.text, "logprobs": logprobs,
+                   "finish_reason": finish}
+            if self.shown.logprobs:
+                out["prompt_logprobs"] = self.prompt_logprobs(ev)         # vLLM's place for completions: each choice's
+            return out
         content, calls, finish = self.message(ev.detok.text, finish)
         msg = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
-        if self.harmony:
-            reasoning = split(ev.detok.text).reasoning
-            if reasoning:
-                msg["reasoning_content"] = reasoning     # vLLM's field for a reasoning model's thinking
+        reasoning = split(ev.detok.text).reasoning if self.harmony else self.parts(ev.detok.text, final=True)[0]
+        if reasoning:
+            msg["reasoning_content"] = reasoning         # vLLM's field for a reasoning model's thinking
+            msg["content"] = msg["content"] or None      # thinking alone (cut by max_tokens): no content
         return {"index": ev.index, "message": msg, "logprobs": logprobs, "finish_reason": finish}
 
     async def merged(self):
@@ -234,7 +295,10 @@ class Choices:
 
         async def pump(ev):
             try:
+                echo = self.shown.echo           # the completions API's echo: the prompt leads the first chunk
                 async for delta, finish, lps in ev:
+                    if echo is not None:
+                        delta, lps, echo = echo + delta, self.echoed(ev) + lps, None
                     await q.put((ev.index, delta, finish, lps))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await q.put(e)

@@ -1,10 +1,10 @@
-"""The endpoints as a Starlette app: GET /health, /metrics, /v1/models[/{model}], POST /v1/completions and
-/v1/chat/completions, and OpenAI's error object for every failure (the exception handlers)."""
+"""The endpoints as a Starlette app: GET /health, /metrics, /version, /v1/models[/{model}], POST /v1/completions and
+/v1/chat/completions, /v1/responses (responses_api.py), vLLM's /tokenize and /detokenize, and OpenAI's error object
+for every failure (the exception handlers)."""
 from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import sys
 import time
@@ -13,8 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .client import EngineError
-from .params import ApiError, Detokenizer, refuse_unsupported, stop_strings
+from .identity import package_version
+from .isolation import matching_key
+from .params import ApiError, Detokenizer, Stops, constraint_field, prompt_shown, refuse_unsupported, stop_rules
+from .reasoning import Reasoner, reasoner
 from .responses import Choices, Events, json_response
+from .responses_api import ResponsesApi
 from .streams import Stream
 from .tool_parsers import Tools, keep_tokens, parse_tools, trigger
 from .transport import ClientGone, HostCheck, Sink
@@ -35,8 +39,9 @@ class Prepared:
     n: int                         # choices: one engine request each
     tools: "Tools | None"
     harmony: bool                  # a gpt-oss chat reply: split by its channels
-    stops: list                    # stop strings
+    stops: Stops                   # stop strings, stop token ids, min_tokens, include_stop_str_in_output
     keep: frozenset                # token ids kept in the text (the tool format's markers)
+    reasoner: "Reasoner | None" = None   # a chat reply's thinking block, split into reasoning_content
 
 
 def build_app(srv: "Server"):
@@ -46,6 +51,7 @@ def build_app(srv: "Server"):
     from starlette.responses import Response
     from starlette.routing import Route
     r = Routes(srv)
+    resp = ResponsesApi(srv, r)
 
     async def api_error(request, exc: ApiError):
         return json_response(exc.status, exc.body(), {"connection": "close"} if exc.status in (408, 411, 413) else None)
@@ -65,7 +71,11 @@ def build_app(srv: "Server"):
               Route("/v1/models", r.models, methods=["GET"]),
               Route("/v1/models/{model:path}", r.model, methods=["GET"]),
               Route("/v1/completions", functools.partial(r.generate, chat=False), methods=["POST"]),
-              Route("/v1/chat/completions", functools.partial(r.generate, chat=True), methods=["POST"])]
+              Route("/v1/chat/completions", functools.partial(r.generate, chat=True), methods=["POST"]),
+              Route("/v1/responses", resp.create, methods=["POST"]),
+              Route("/v1/responses/{response_id}", resp.retrieve, methods=["GET"]),
+              Route("/tokenize", r.tokenize, methods=["POST"]), Route("/detokenize", r.detokenize, methods=["POST"]),
+              Route("/version", r.version, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
                                                        ClientGone: gone, Exception: crash})
     app.router.redirect_slashes = False       # its 307 echoed the request's Host header; a wrong path is a 404
@@ -79,13 +89,15 @@ class Routes:
         self.srv = srv
 
     # -- plumbing ----------------------------------------------------------------------------------
-    def auth(self, request) -> None:
-        key = self.srv.api_key
+    def auth(self, request) -> "str | None":
+        """The API key the request carries, one of the server's (401 otherwise); None when the server has none."""
+        keys = self.srv.api_keys
+        if not keys:
+            return None
+        key = matching_key(keys, request.headers.get("authorization", ""))
         if key is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), key.encode())):
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+        return key
 
     async def body(self, request) -> dict:
         from starlette.concurrency import run_in_threadpool
@@ -125,7 +137,8 @@ class Routes:
     # -- endpoints ---------------------------------------------------------------------------------
     async def health(self, request):
         """200 only while the engine answers and serves: 503 while it restarts, when it has sent nothing for 5 s
-        or 3 of its longest step), or when its last requests all failed."""
+        or 3 of its longest step), or when its last requests all failed - in the engine: a request refused for
+        what it sent (a 400, a grammar that fails while generating included) never counts."""
         e = self.srv.engine
         silent = time.monotonic() - e.last_heard
         if not e.alive:
@@ -160,16 +173,63 @@ class Routes:
         return json_response(200, {"id": a.model_name, "object": "model", "created": a.created,
                                    "owned_by": "tiered-moe", "max_model_len": a.max_context})
 
-    async def generate(self, request, chat: bool):
+    async def tokenize(self, request):
+        """vLLM's /tokenize: a ``prompt``, or ``messages`` rendered by the chat template (with ``tools`` and the
+        template fields), as the token ids a request of it is fed; ``add_special_tokens``: false leaves out those the
+        tokenizer adds (its BOS)."""
         a = self.srv
         self.auth(request)
         body = await self.body(request)
+        if body.get("model") is not None:
+            a.check_model(body)
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise ApiError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+        if body.get("return_token_strs"):
+            raise ApiError(400, "'return_token_strs' is not supported: /detokenize gives the ids' text",
+                           param="return_token_strs")
+        lane = a.lane(body)          # off the event loop, a long prompt in its lane (as a generation request's)
+        if "messages" in body:
+            text = await lane(a.chat_text, body, parse_tools(body))
+        elif isinstance(body.get("prompt"), str) and body["prompt"]:
+            text = body["prompt"]
+        else:
+            raise ApiError(400, "/tokenize needs 'prompt' (a non-empty string) or 'messages'", param="prompt")
+        param = "messages" if "messages" in body else "prompt"
+        ids = await lane(a.encode, text, param, special)
+        return json_response(200, {"count": len(ids), "max_model_len": a.max_context, "tokens": ids,
+                                   "token_strs": None})
+
+    async def detokenize(self, request):
+        """vLLM's /detokenize: token ids -> their text, special tokens (the chat template's markers) included."""
+        from starlette.concurrency import run_in_threadpool
+        a = self.srv
+        self.auth(request)
+        body = await self.body(request)
+        if body.get("model") is not None:
+            a.check_model(body)
+        ids = body.get("tokens")
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < a.vocab_size
+                                              for t in ids)):
+            raise ApiError(400, f"'tokens' must be a list of token ids in [0, {a.vocab_size})", param="tokens")
+        text = await run_in_threadpool(a.tok.decode, ids, a.tok.special_ids)
+        return json_response(200, {"prompt": text})
+
+    async def version(self, request):
+        return json_response(200, {"version": package_version()})
+
+    async def generate(self, request, chat: bool):
+        a = self.srv
+        key = self.auth(request)
+        body = await self.body(request)
         a.check_model(body)
-        refuse_unsupported(body)
+        salt = a.isolation.salt(body, key)      # its prefix-cache salt (cache_salt, the key under isolation)
+        refuse_unsupported(body, chat)
         stream, include_usage = _stream_options(body)
         p = await self.prepare(body, chat)
         k = p.params.get("logprobs")
-        ch = Choices(a, await self.submit(p), chat, len(p.prompt), k, p.tools, p.harmony)
+        ch = Choices(a, await self.submit(p, salt), chat, len(p.prompt), k, p.tools, p.harmony, reasoner=p.reasoner)
+        ch.shown = prompt_shown(body, p.prompt, a.tok, chat)     # echo, prompt_logprobs
         if stream:
             return Stream(a, ch, include_usage)
         try:
@@ -181,16 +241,18 @@ class Routes:
         """The body's prompt tokenized and its sampling parameters checked, with its tools' grammar or trigger."""
         from starlette.concurrency import run_in_threadpool
         a = self.srv
-        stops = stop_strings(body)
+        stops = stop_rules(body)
         tools = parse_tools(body) if chat else None
-        # Tokenizing (and rendering a chat template) can take a while: off the event loop.
-        prompt = await (run_in_threadpool(a.chat_prompt, body, tools) if chat else
-                        run_in_threadpool(a.completion_prompt, body))
+        # Tokenizing (and rendering a chat template) can take a while: off the event loop (a long prompt: in its lane).
+        lane = a.lane(body)
+        text, tail = await lane(a.chat_render, body, tools) if chat else (None, None)
+        prompt = await (lane(a.encode, text, "messages") if chat else lane(a.completion_prompt, body))
+        think = reasoner(a.reasoning, tail) if chat else None
         params = a.sampling(body, len(prompt), None if chat else 16)
         if tools is not None and tools.grammar() is not None:
             if "grammar" in params:
-                raise ApiError(400, "'response_format' cannot be combined with a required or named 'tool_choice'",
-                               param="response_format")
+                field = constraint_field(body)
+                raise ApiError(400, f"'{field}' cannot be combined with a required or named 'tool_choice'", param=field)
             params["grammar"] = tools.grammar()
         keep = frozenset()
         # a gpt-oss chat reply that is not held to required / named calls' JSON: split by its channels
@@ -200,11 +262,24 @@ class Routes:
             keep = keep_tokens(fmt, a.tok)     # its markers stay in the text: the parser (or harmony's split) reads them
             if tools is not None and tools.choice == "auto" and "grammar" not in params:
                 params["trigger"] = trigger(fmt, tools, a.tok)   # response_format constrains everything already
+        if think is not None:
+            keep |= think.keep(a.tok)
+            end = a.tok.token_id(think.fmt.end)
+            if "grammar" in params and think.state is True and end is not None:
+                # the prompt opened the thinking: structured output and required / named calls hold the reply after
+                # it (armed by its end). Left to the model, the block is not waited for - a model that never opens
+                # one (an instruct model under a template that knows <think>) would go unconstrained: the grammar
+                # holds the whole reply.
+                params["trigger"] = [end, *params.pop("grammar")]
+        if params.get("grammar") is not None or params.get("trigger") is not None:
+            # compiled in admission's workers under its budgets (a 400 naming the limit), not in the engine loop
+            await a.admission.admit_async(params, body, tools)
         n = params.pop("n")
-        return Prepared(chat, prompt, params, n, tools, harmony, stops, keep)
+        return Prepared(chat, prompt, params, n, tools, harmony, stops, keep, think)
 
-    async def submit(self, p: Prepared) -> list:
-        """The request's n engine requests, submitted: their ``Events``, in choice order."""
+    async def submit(self, p: Prepared, salt: "str | None" = None) -> list:
+        """The request's n engine requests, submitted (``salt``: their prefix-cache salt, isolation.py): their
+        ``Events``, in choice order."""
         from starlette.concurrency import run_in_threadpool
         a = self.srv
         rid = ("chatcmpl-" if p.chat else "cmpl-") + uuid.uuid4().hex
@@ -218,7 +293,8 @@ class Routes:
                 sub = rid if p.n == 1 else f"{rid}-{i}"
                 try:
                     # waits (bounded) for an engine that is being restarted: in the pool, not on the loop
-                    await run_in_threadpool(a.engine.submit, sub, p.prompt, params, Sink(asyncio.get_running_loop(), q))
+                    await run_in_threadpool(a.engine.submit, sub, p.prompt, params, Sink(asyncio.get_running_loop(), q),
+                                            salt)
                 except EngineError as e:
                     raise ApiError(503, str(e), type="server_error", code="engine_unavailable") from None
                 evs.append(Events(a, q, Detokenizer(a.tok, p.stops, p.keep), t0, sub, index=i))

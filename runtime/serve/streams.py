@@ -1,6 +1,7 @@
 """Server-sent events (``"stream": true``): a request's choices merged into one stream of OpenAI's chunks - plain
-text deltas; a tools choice's content before its format's opening marker, then each call's id and name and its
-arguments as they are written; a gpt-oss choice's channels as reasoning_content and content."""
+text deltas; a tools choice's content before its format's opening marker, then each call whole (id, name,
+arguments) as soon as its arguments are complete (so a reply cut by max_tokens streams the calls it returns); a
+gpt-oss choice's channels as reasoning_content and content."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 from .harmony import split
 from .params import ApiError
 from .responses import Choices
-from .tool_parsers import call, stream_spans, streamable_arguments
+from .tool_parsers import new_calls
 from .transport import ClientGone
 
 if TYPE_CHECKING:
@@ -59,21 +60,11 @@ class Stream:
         detokenizer has released (stop strings held back)."""
         t, ev = self.ch.tools, self.ch.events(index)
         fmt = self.srv.tool_format
-        text = ev.detok.text[:ev.detok.sent]
+        text = self.ch.parts(ev.detok.text[:ev.detok.sent])[1]     # the calls follow the thinking
         safe = self.open_content(text)
         delta = safe[sent.content:]
         sent.content = max(sent.content, len(safe))
-        spans = stream_spans(t, fmt, text) or []
-        out, calls = [], sent.calls
-        for i, (name, a, b) in enumerate(spans):
-            args = streamable_arguments(text, a, b, fmt.close if t.choice == "auto" else "")
-            if i == len(calls):
-                c = call(name, args)
-                calls.append([c["id"], name, args])
-                out.append({"index": i, **c})
-            elif len(args) > len(calls[i][2]) and args.startswith(calls[i][2]):
-                out.append({"index": i, "function": {"arguments": args[len(calls[i][2]):]}})
-                calls[i][2] = args
+        out = new_calls(t, fmt, text, sent.calls)      # each call whole once complete: a cut leaves none partial
         return delta, ({"tool_calls": out} if out else {})
 
     def harmony_progress(self, index: int, sent: Sent) -> "tuple[str, dict]":
@@ -85,12 +76,28 @@ class Stream:
         sent.reasoning, sent.content = max(sent.reasoning, len(h.reasoning)), max(sent.content, len(h.content))
         return c, ({"reasoning_content": r} if r else {})
 
+    def think_progress(self, index: int, sent: Sent) -> "tuple[str, dict]":
+        """A streamed choice's news with its thinking split off (``progress`` for a tools choice, else its content),
+        with {"reasoning_content": ...} not yet sent."""
+        ev = self.ch.events(index)
+        reasoning, content = self.ch.parts(ev.detok.text[:ev.detok.sent])
+        r = reasoning[sent.reasoning:]
+        sent.reasoning = max(sent.reasoning, len(reasoning))
+        if self.ch.tools is not None:
+            text, extra = self.progress(index, sent)
+        else:
+            text, extra = content[sent.content:], {}
+            sent.content = max(sent.content, len(content))
+        return text, {**({"reasoning_content": r} if r else {}), **extra}
+
     def tool_chunk(self, index: int, finish: str, sent: Sent) -> dict:
         """A tools choice's last chunk: the content not yet sent, what its calls' streamed deltas left out (the
         calls of a format that does not stream them, whole), with every log-probability held back."""
         ev = self.ch.events(index)
         content, calls, finish = self.ch.message(ev.detok.text, finish)
-        rest = (content or "")[sent.content:] if calls else ev.detok.text[sent.content:]
+        reasoning, text = self.ch.parts(ev.detok.text, final=True)
+        # required / named calls: the reply's content (null, or the text a stop string cut), never partial JSON
+        rest = (content or "")[sent.content:] if calls or self.ch.tools.choice != "auto" else text[sent.content:]
         out = self.chunk(index, rest, finish, sent.lps)
         if calls:
             deltas, done = [], sent.calls
@@ -104,6 +111,16 @@ class Stream:
                     done.append([c["id"], fn["name"], fn["arguments"]])
             out["choices"][0]["delta"] = {**({"content": rest} if rest.strip() else {}),
                                           **({"tool_calls": deltas} if deltas else {})}
+        if reasoning[sent.reasoning:]:
+            out["choices"][0]["delta"]["reasoning_content"] = reasoning[sent.reasoning:]
+        return out
+
+    def think_chunk(self, index: int, finish: str, sent: Sent) -> dict:
+        """A thinking choice's last chunk (no tools): its reasoning and content not yet sent."""
+        reasoning, content = self.ch.parts(self.ch.events(index).detok.text, final=True)
+        out = self.chunk(index, content[sent.content:], finish, sent.lps)
+        if reasoning[sent.reasoning:]:
+            out["choices"][0]["delta"]["reasoning_content"] = reasoning[sent.reasoning:]
         return out
 
     def harmony_chunk(self, index: int, finish: str, sent: Sent) -> dict:
@@ -121,9 +138,12 @@ class Stream:
 
     # -- the wire ------------------------------------------------------------------------------------------------
     async def event(self, data) -> None:
+        await self.write(b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n")
+
+    async def write(self, payload: bytes) -> None:
+        """One event's bytes, within the write deadline."""
         if self._watch.done():
             raise ClientGone()
-        payload = b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
         try:
             await asyncio.wait_for(self._send({"type": "http.response.body", "body": payload, "more_body": True}),
                                    self.srv.timeout)
@@ -132,10 +152,14 @@ class Stream:
 
     def chunk(self, index, delta, finish, lps, first=False) -> dict:
         ch = self.ch
-        base = {"id": ch.rid, "object": self.obj, "created": self.created, "model": self.srv.model_name}
+        base = {"id": ch.rid, "object": self.obj, "created": self.created, "model": self.srv.model_name,
+                "system_fingerprint": self.srv.fingerprint}
         lp = ch.lp[index].format(lps) if ch.lp[index] is not None and lps else None
         if ch.chat:
-            d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta or not finish else {})
+            # required / named calls: content null, as in the reply (and OpenAI's stream of a forced call)
+            calls_only = ch.tools is not None and ch.tools.choice != "auto" and not delta
+            d = {"role": "assistant", "content": None if calls_only else delta} if first else \
+                ({"content": delta} if (delta or not finish) and not calls_only else {})
             c = {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
         else:
             c = {"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}
@@ -145,17 +169,18 @@ class Stream:
         return out
 
     async def held_news(self, index: int, finish, lps: list, sent: Sent) -> None:
-        """A tools or harmony choice's news. gpt-oss: the analysis channel streams as reasoning_content, the final
-        one as content. Tools: the content before the format's opening marker streams, then each call: its id and
+        """A tools, harmony or thinking choice's news. gpt-oss: the analysis channel streams as reasoning_content, the
+        final one as content; a <think> block streams as reasoning_content, what follows it as below. Tools: the content before the format's opening marker streams, then each call: its id and
         name, then its arguments as they are written (OpenAI's deltas); a format without spans (and harmony) sends
         its calls whole at the end."""
         harmony = self.ch.harmony
         sent.lps += lps
         if finish:
-            last = self.harmony_chunk if harmony else self.tool_chunk
+            last = self.harmony_chunk if harmony else self.tool_chunk if self.ch.tools is not None else \
+                self.think_chunk
             await self.event(last(index, finish, sent))
             return
-        text, extra = self.harmony_progress(index, sent) if harmony else self.progress(index, sent)
+        text, extra = self.harmony_progress(index, sent) if harmony else self.think_progress(index, sent)
         if text or extra:
             c = self.chunk(index, text, None, sent.lps)
             c["choices"][0]["delta"].update(extra)
@@ -169,7 +194,7 @@ class Stream:
             for ev in ch.evs:
                 await self.event(self.chunk(ev.index, "", None, [], first=True))
         sent = {ev.index: Sent() for ev in ch.evs}
-        held = ch.harmony or (ch.tools is not None and ch.chat)
+        held = ch.harmony or (ch.tools is not None and ch.chat) or ch.reasoner is not None
         try:
             async for index, delta, finish, lps in ch.merged():
                 if held:
@@ -192,7 +217,8 @@ class Stream:
             await self.choices()
             if self.include_usage:
                 await self.event({"id": ch.rid, "object": self.obj, "created": self.created,
-                                  "model": self.srv.model_name, "choices": [], "usage": ch.usage()})
+                                  "model": self.srv.model_name, "system_fingerprint": self.srv.fingerprint,
+                                  "choices": [], "usage": ch.usage()})
             await self.event(b"[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (ClientGone, OSError):

@@ -24,6 +24,10 @@ class StepHooks:
     # and asked the store for its experts - before they compute - so the prefetch for the next layer starts
     # while this layer's experts run (its loads overlap this layer's compute, as replay models it)
     routed: "Optional[Callable]" = None
+    # prompt_logprobs: the sequences (Sequence objects of this forward) whose every token's logits are wanted, not
+    # only their last token's; token_logits(seq, first row, logits [rows, vocab]) hears them, a few rows at a time
+    every_token: tuple = ()
+    token_logits: "Optional[Callable]" = None
 
 
 NO_HOOKS = StepHooks()

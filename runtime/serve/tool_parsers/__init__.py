@@ -21,9 +21,10 @@ helpers), ``named_args`` (shared by GLM-4.5 and Qwen3-Coder), one per format, ``
 the server does with a format)."""
 from .base import ToolFormat, call
 from .harmony import HARMONY_TOKENS
-from .registry import FORMATS, keep_tokens, parse_auto, stream_spans, streamable_arguments, tool_format, trigger
+from .registry import (FORMATS, cut_reply, keep_tokens, new_calls, parse_auto, stream_spans, streamable_arguments,
+                       tool_format, trigger)
 from .request import Tools, parse_tools
 from .required import constrained_calls
 
-__all__ = ["FORMATS", "HARMONY_TOKENS", "ToolFormat", "Tools", "call", "constrained_calls", "keep_tokens",
-           "parse_auto", "parse_tools", "stream_spans", "streamable_arguments", "tool_format", "trigger"]
+__all__ = ["FORMATS", "HARMONY_TOKENS", "ToolFormat", "Tools", "call", "constrained_calls", "cut_reply", "keep_tokens",
+           "new_calls", "parse_auto", "parse_tools", "stream_spans", "streamable_arguments", "tool_format", "trigger"]

@@ -47,6 +47,17 @@ def args_rule(name: str, schema: dict) -> str:
     return f"{name}: %json {json_schema_text(schema or {'type': 'object'})}\n"
 
 
+def json_call_rules(functions: list) -> str:
+    """Lark rules of one call written as the JSON object {"name": ..., "arguments": ...} of an offered function (", "
+    and ": " separating, as ``json_schema_text``): rule ``call``, the name one of the functions' and the arguments
+    that function's own ``%json`` - its parameters a root schema, so their ``$defs`` / ``$ref`` (what Pydantic
+    writes) resolve as in a response_format, and the lexer picks the function by its name once."""
+    fns = [f'{json.dumps(json.dumps(f["name"]) + ", " + json.dumps("arguments") + ": ")} args{i}'
+           for i, f in enumerate(functions)]
+    return (f'call: {json.dumps("{" + json.dumps("name") + ": ")} ({alts(fns)}) "}}"\n'
+            + "".join(args_rule(f"args{i}", f["parameters"]) for i, f in enumerate(functions)))
+
+
 def alts(rules: list) -> str:
     return " | ".join(rules)
 
@@ -128,10 +139,17 @@ def marker_spans(text: str, head: re.Pattern, close: str) -> list:
 
 def span_calls(spans: list, text: str) -> list:
     """The calls of complete spans whose arguments are JSON, their arguments as written (what was streamed)."""
+    calls = complete_calls(spans, text)
+    return calls if len(calls) == len(spans) else []
+
+
+def complete_calls(spans: list, text: str) -> list:
+    """The calls of the leading spans that are complete with JSON arguments (a reply cut by max_tokens: the calls
+    it finished), their arguments as written."""
     calls = []
     for name, a, b in spans:
         if b is None or json_obj(text[a:b]) is None:
-            return []
+            break
         calls.append(call(name, text[a:b]))
     return calls
 

@@ -1,5 +1,5 @@
 """DeepSeek-V3: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name\\n```json\\n{json}\\n```
-<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``; the arguments stream as they are written."""
+<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``; each call streams whole once complete."""
 from __future__ import annotations
 
 import json

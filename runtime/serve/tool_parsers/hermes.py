@@ -1,11 +1,10 @@
-"""Hermes / Qwen3: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls one per line; the
-arguments stream as they are written."""
+"""Hermes / Qwen3: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls one per line; each
+call streams whole once its arguments are complete."""
 from __future__ import annotations
 
 import re
 
-from ...engine.grammar import json_schema_text
-from .base import CALL_HEAD, ToolFormat, call, json_obj, json_spans, start_rule
+from .base import CALL_HEAD, ToolFormat, call, json_call_rules, json_obj, json_spans, start_rule
 
 HEAD = re.compile(r"<tool_call>\s*" + CALL_HEAD)
 
@@ -20,12 +19,9 @@ def parse(text: str, functions: list):
 
 
 def grammar(functions: list, t, parallel: bool) -> str:
-    one = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                      "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}} for f in functions]}
     # Qwen3's template: <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, calls one per line
     return (start_rule(t, "<tool_call>", parallel) +
-            f'body: "\\n" call "\\n" {t("</tool_call>")}\n'
-            f"call: %json {json_schema_text(one)}\n")
+            f'body: "\\n" call "\\n" {t("</tool_call>")}\n' + json_call_rules(functions))
 
 
 FORMAT = ToolFormat("hermes", "<tool_call>", parse, ("<tool_call>", "</tool_call>"), "<tool_call>", grammar,

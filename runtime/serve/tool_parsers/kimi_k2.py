@@ -1,5 +1,5 @@
 """Kimi K2: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.name:i<|tool_call_argument_begin|>{json}
-<|tool_call_end|>...<|tool_calls_section_end|>``; the arguments stream as they are written."""
+<|tool_call_end|>...<|tool_calls_section_end|>``; each call streams whole once complete."""
 from __future__ import annotations
 
 import json

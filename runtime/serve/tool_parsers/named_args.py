@@ -62,11 +62,24 @@ def named_arguments(functions: list, value, arg) -> "tuple[list, list]":
         required = set(params.get("required") or [])
         seq = []
         for j, (k, sch) in enumerate((params.get("properties") or {}).items()):
-            out += value(i, j, sch)
+            out += value(i, j, local(sch, params))
             out.append(f"a{i}_{j}: {arg(i, j, k)}\n")
             seq.append(f"a{i}_{j}" + ("" if k in required else "?"))
         seqs.append(" ".join(seq))
     return out, seqs
+
+
+def local(sch: dict, params: dict) -> dict:
+    """A parameter's schema as a root of its own: with the tool's ``$defs`` / ``definitions`` (so its refs resolve),
+    a top-level ``$ref`` to one of them replaced by it (what decides whether the value is written raw)."""
+    defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+    ref = sch.get("$ref")
+    for k, d in defs.items():
+        name = ref[len(k) + 3:] if isinstance(ref, str) and ref.startswith(f"#/{k}/") else None
+        if isinstance(d.get(name), dict):
+            sch = {**d[name], **{x: v for x, v in sch.items() if x != "$ref"}}
+            break
+    return {**sch, **defs}
 
 
 def enum(sch: dict) -> str:

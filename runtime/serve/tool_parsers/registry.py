@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from . import deepseek_v3, glm45, harmony, hermes, kimi_k2, qwen3_coder, required
-from .base import ToolFormat, held, span_calls
+from .base import ToolFormat, call, complete_calls, held, json_obj, span_calls
 from .request import Tools
 
 # The first whose marker the template has is the family's (GLM-4.5's and Qwen3.5's before Hermes: all three write
@@ -50,6 +50,37 @@ def parse_auto(fmt: ToolFormat, text: str, functions: "list | None" = None) -> "
     if calls and fmt.spans is not None:
         calls = span_calls(fmt.spans(text), text) or calls
     return (content.strip() or None) if calls else text, calls
+
+
+def cut_reply(tools: Tools, fmt: ToolFormat, text: str) -> "tuple[str | None, list]":
+    """(content or None, tool_calls) of an output cut by max_tokens: the calls it completed (a call the cut left
+    partial is dropped - what a stream sent, as ``new_calls`` sends only complete ones), the content before them;
+    with none completed, required / named calls give no content (their text is the calls' JSON), auto calls the
+    text as it is."""
+    if tools.choice != "auto":
+        return None, complete_calls(required.spans(text), text)
+    content, calls = fmt.parse(text, tools.functions)
+    if fmt.spans is not None:
+        calls = complete_calls(fmt.spans(text), text)
+    return ((content.strip() or None), calls) if calls else (text, [])
+
+
+def new_calls(tools: Tools, fmt: ToolFormat, text: str, sent: list) -> "list | None":
+    """OpenAI's tool_calls deltas of the calls a partial output completed since ``sent`` (per call sent: [id, name,
+    arguments]; appended to). A call is sent whole (id, name, arguments) once its arguments are complete JSON, so a
+    reply cut by max_tokens streams the calls it returns, never a partial one. None: the format's calls are sent
+    when the output ends (a format without spans)."""
+    spans = stream_spans(tools, fmt, text)
+    if spans is None:
+        return None
+    out = []
+    for i, (name, a, b) in enumerate(spans[len(sent):], start=len(sent)):
+        if b is None or json_obj(text[a:b]) is None:
+            break
+        c = call(name, text[a:b])
+        sent.append([c["id"], name, text[a:b]])
+        out.append({"index": i, **c})
+    return out
 
 
 def stream_spans(tools: Tools, fmt: ToolFormat, text: str) -> "list | None":

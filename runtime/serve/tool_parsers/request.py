@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..params import ApiError
 from . import required
@@ -15,10 +15,13 @@ class Tools:
     choice: str                     # auto | required | named
     named: "str | None" = None
     parallel: bool = True           # parallel_tool_calls: false allows one call per turn
+    _grammar: object = field(default=None, repr=False, compare=False)
 
     def grammar(self) -> "list | None":
-        """The engine's grammar for required / named calls; None for auto."""
-        return required.grammar(self.functions, self.choice, self.named, self.parallel)
+        """The engine's grammar for required / named calls; None for auto (written once: 500 tools' is ~100 KB)."""
+        if self._grammar is None:
+            self._grammar = [required.grammar(self.functions, self.choice, self.named, self.parallel)]
+        return self._grammar[0]
 
     def template_tools(self) -> list:
         return [{"type": "function", "function": f} for f in self.functions]
@@ -66,7 +69,38 @@ def _function(i: int, t) -> dict:
     if p is not None and not isinstance(p, dict):
         raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", param=f"tools[{i}]")
     _check_parameters(p or {}, f"tools[{i}].function.parameters")
-    return {"name": f["name"], "description": f.get("description", ""), "parameters": p or {"type": "object"}}
+    strict = f.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ApiError(400, f"tools[{i}].function.strict must be a boolean", param=f"tools[{i}]")
+    p = p or {"type": "object"}
+    return {"name": f["name"], "description": f.get("description", ""), "parameters": strict_schema(p) if strict else p}
+
+
+# where a schema holds schemas (JSON Schema 2020-12): one, a list of them, a map of them
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedProperties")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def strict_schema(s):
+    """OpenAI's ``strict: true``: no object anywhere in the schema (its $defs too) takes properties it does not
+    name - ``additionalProperties: false`` where a schema does not say otherwise."""
+    if not isinstance(s, dict):
+        return s
+    out = dict(s)
+    for k in _ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = strict_schema(out[k])
+    for k in _LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [strict_schema(x) for x in out[k]]
+    for k in _MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: strict_schema(x) for n, x in out[k].items()}
+    if (out.get("type") == "object" or isinstance(out.get("properties"), dict)) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _check_parameters(p: dict, where: str) -> None:

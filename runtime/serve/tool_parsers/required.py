@@ -7,21 +7,19 @@ from __future__ import annotations
 import json
 import re
 
-from .base import CALL_HEAD, call, json_spans, span_calls
+from .base import CALL_HEAD, call, json_call_rules, json_spans, span_calls
 
 HEAD = re.compile(CALL_HEAD)
 
 
 def grammar(functions: list, choice: str, named: "str | None", parallel: bool) -> "list | None":
-    """The engine's grammar [format, text] for required / named calls; None for auto."""
-    def one(f):
-        return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+    """The engine's grammar [format, text] for required / named calls; None for auto. One Lark grammar, the call's
+    name an alternative of the functions' and each function's arguments its own JSON schema (``json_call_rules``)."""
     if choice == "named":
-        return ["json_schema", json.dumps(one(next(f for f in functions if f["name"] == named)))]
+        return ["lark", "start: call\n" + json_call_rules([f for f in functions if f["name"] == named])]
     if choice == "required":
-        return ["json_schema", json.dumps({"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
-                                           "items": {"anyOf": [one(f) for f in functions]}})]
+        more = ' (", " call)*' if parallel else ""
+        return ["lark", f'start: "[" call{more} "]"\n' + json_call_rules(functions)]
     return None
 
 

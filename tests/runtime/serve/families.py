@@ -47,6 +47,15 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>{% endfor %}<|im_end|>
 """ + _QWEN_TAIL
 
+# Qwen3 with its thinking, as released: the generation prompt writes an empty <think> block when the request's
+# chat_template_kwargs say enable_thinking false (the model does not think), else the model opens one itself; a past
+# assistant turn is rendered without its thinking
+QWEN3_THINK_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{{ m.content or '' }}", "{{ (m.content or '').split('</think>')[-1].lstrip('\\n') }}").replace(
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
 QWEN35_TEMPLATE = """{%- if tools %}<|im_start|>system
 # Tools
 
@@ -164,6 +173,10 @@ DEEPSEEK_V3_TEMPLATE = """{{ bos_token }}{%- for m in messages -%}
 FAMILIES = {
     "qwen3": ("qwen3_moe", [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
                             ("<tool_call>", False), ("</tool_call>", False)], "<|im_end|>", None, QWEN3_TEMPLATE),
+    # Qwen3 with thinking: <think> and </think> are added tokens that are not special (their text is text)
+    "qwen3_think": ("qwen3_moe", [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+                                  ("<tool_call>", False), ("</tool_call>", False), ("<think>", False),
+                                  ("</think>", False)], "<|im_end|>", None, QWEN3_THINK_TEMPLATE),
     # Qwen3.5 (as Qwen3-Coder): XML calls, <function=name> and <parameter=key> as text
     "qwen35": ("qwen3_5_moe_text", [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
                                     ("<tool_call>", False), ("</tool_call>", False)], "<|im_end|>", None,
@@ -233,3 +246,18 @@ def build_family(out_dir: str, family: str) -> str:
                 p.mul_(4.0)
     m.save_pretrained(out_dir)
     return out_dir
+
+
+def serve_family(tmp_path_factory, family: str):
+    """A started server (the tests' API key) of the family's checkpoint, converted from its Hugging Face folder as
+    `serve --model` does; ``srv.family`` and ``srv.hf`` (that folder) set. The caller closes it."""
+    from runtime.model.convert import convert
+    from runtime.serve.api import Server
+    from runtime.serve.engine_proc import EngineConfig
+    from servehelp import KEY
+    d = tmp_path_factory.mktemp(family)
+    build_family(str(d / "hf"), family)
+    convert(str(d / "hf"), str(d / "store"))
+    srv = Server(EngineConfig(model=str(d / "store"), max_batch=4), port=0, api_key=KEY).start()
+    srv.family, srv.hf = family, str(d / "hf")
+    return srv

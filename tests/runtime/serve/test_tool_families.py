@@ -103,6 +103,47 @@ def test_template_parser_and_grammar_agree(fam, tokenizers):
     assert not accepts(one.replace("Paris", "paris"))
 
 
+# what Pydantic writes for a tool's arguments: a nested model and an enum, by $defs / $ref
+PLACE = {"type": "function", "function": {"name": "place_weather", "parameters": {
+    "$defs": {"Unit": {"enum": ["C", "F"], "title": "Unit", "type": "string"},
+              "Place": {"properties": {"city": {"title": "City", "type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+                        "required": ["city", "unit"], "title": "Place", "type": "object"}},
+    "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["place", "unit"], "title": "Args", "type": "object"}}}
+
+
+@pytest.mark.parametrize("fam", list(FORMAT))
+def test_grammars_take_parameters_with_defs_and_refs(fam, tokenizers):
+    """Issue 32: parameters with $defs / $ref (they were refused): every family's call grammar - and the required
+    one - compiles and takes the call its template writes; a value outside the referenced enum is refused."""
+    from runtime.engine.grammar import GrammarTokenizer
+    from runtime.serve.chat import ChatFormatter
+    from runtime.serve.tool_parsers import parse_tools, tool_format, trigger
+    from runtime.tokenizer import Tokenizer
+    d = tokenizers[fam]
+    name, opener, closer = FORMAT[fam]
+    fmt = tool_format(ChatFormatter(d).template_text)
+    tok = Tokenizer(d)
+    gt = GrammarTokenizer(d + "/tokenizer.json", tok.tok.get_vocab_size(), [tok.token_id(FAMILIES[fam][2])])
+    def written(unit: str) -> str:
+        """The call with ``unit`` as the family's template writes it, from its opening marker to its closing one."""
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {
+                "name": "place_weather", "arguments": {"place": {"city": "Paris", "unit": "C"}, "unit": unit}}}]}]
+        text = ChatFormatter(d).render(msgs, [PLACE])
+        return text[text.rfind(opener, 0, text.rindex("place_weather")):text.rindex(closer) + len(closer)]
+
+    def accepts(kind, grammar, ids) -> bool:
+        m = gt.matcher(kind, grammar)
+        return all(m.m.consume_token(i) for i in ids) and m.m.is_accepting()
+    tools = parse_tools({"tools": [PLACE], "tool_choice": "auto"})
+    tid, kind, grammar = trigger(fmt, tools, tok)
+    assert accepts(kind, grammar, tok.encode(written("F"))[1:]), written("F")
+    assert not accepts(kind, grammar, tok.encode(written("K"))[1:])
+    required = parse_tools({"tools": [PLACE], "tool_choice": "required"}).grammar()
+    call = '[{"name": "place_weather", "arguments": {"place": {"city": "Paris", "unit": "C"}, "unit": "F"}}]'
+    assert accepts(*required, tok.encode(call)) and not accepts(*required, tok.encode(call.replace('"F"', '"K"')))
+
 
 # -- served: the official client against a server of each family -----------------------------------------------
 @pytest.fixture(scope="module", params=["qwen3", "glm45", "kimi_k2", "qwen35"])
@@ -171,15 +212,15 @@ def test_auto_tool_calls_open_by_the_model_and_finish_by_the_grammar(served):
         ch = r.choices[0]
         streamed = _streamed(c.chat.completions.create(**kw, stream=True))
         assert streamed[2] == ch.finish_reason
-        if ch.finish_reason != "length":            # cut: its calls streamed so far, the text when not streamed
-            assert streamed[1] == _calls(ch.message)
-        if ch.finish_reason == "tool_calls" and served.family not in ("glm45", "qwen35"):     # whole at the end
-            assert streamed[4] > 2 * len(streamed[1])  # the arguments came in pieces, as they were written
+        # cut or not, the same calls streamed and not (a cut keeps its complete ones), each sent whole once complete
+        assert streamed[1] == _calls(ch.message) and streamed[4] == len(streamed[1])
         if parallel and ch.finish_reason == "stop":      # the model ended at once: nothing, no call
             assert not ch.message.content and not ch.message.tool_calls
             continue
-        if parallel and ch.finish_reason == "length":    # call after call, until max_tokens
-            assert ch.message.content.count(FORMAT_OF[served.family][1]) >= 2
+        if parallel and ch.finish_reason == "length":    # call after call, until max_tokens: the complete ones kept
+            assert ch.message.tool_calls or FORMAT_OF[served.family][1] in ch.message.content
+            for call in ch.message.tool_calls or []:
+                assert _valid(json.loads(call.function.arguments), PARAMS[call.function.name]), call
             seen[True] += 1
             continue
         assert ch.finish_reason == "tool_calls", ch.message.content
@@ -217,9 +258,9 @@ def test_required_named_and_a_conversation_with_results(served):
             assert ch.finish_reason == "tool_calls" and (parallel or len(ch.message.tool_calls) == 1)
             for name, args in _calls(ch.message):
                 assert _valid(json.loads(args), PARAMS[name]) and (choice == "required" or name == "get_time")
-            # streamed: the same calls, the arguments in pieces as they were written
+            # streamed: the same calls, each whole once complete
             assert streamed[1] == _calls(ch.message) and streamed[2] == "tool_calls"
-            assert streamed[4] > 2 * len(streamed[1])
+            assert streamed[4] == len(streamed[1])
     # the call and its result go back through the family's template
     r = c.chat.completions.create(model=served.model_name, max_tokens=4, tools=[WEATHER], messages=[
         *msgs, {"role": "assistant", "content": None, "tool_calls": [
