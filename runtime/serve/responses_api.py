@@ -455,13 +455,11 @@ class ResponsesApi:
 
     async def create(self, request):
         a, r = self.srv, self.routes
-        key = r.auth(request)
-        body = await r.body(request)
-        a.check_model(body)
+        key, body = await r.checked(request)
         req = parse(body, self.store)
         salt = a.isolation.salt(req.chat, key)
         p = await r.prepare(req.chat, True)
-        ch = Choices(a, await r.submit(p, salt), True, len(p.prompt), None, p.tools, p.harmony, reasoner=p.reasoner)
+        ch = await r.choices(p, salt)
         if req.stream:
             return ResponseStream(self, ch, req)
         try:

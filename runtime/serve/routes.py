@@ -218,17 +218,27 @@ class Routes:
     async def version(self, request):
         return json_response(200, {"version": package_version()})
 
-    async def generate(self, request, chat: bool):
-        a = self.srv
+    async def checked(self, request) -> tuple:
+        """(API key, body) of a generation request (completions, chat, responses): authorized, parsed, its model
+        checked."""
         key = self.auth(request)
         body = await self.body(request)
-        a.check_model(body)
+        self.srv.check_model(body)
+        return key, body
+
+    async def choices(self, p: Prepared, salt: "str | None", k: "int | None" = None) -> Choices:
+        """The request's choices, its engine requests submitted (``salt``: their prefix-cache salt)."""
+        return Choices(self.srv, await self.submit(p, salt), p.chat, len(p.prompt), k, p.tools, p.harmony,
+                       reasoner=p.reasoner)
+
+    async def generate(self, request, chat: bool):
+        a = self.srv
+        key, body = await self.checked(request)
         salt = a.isolation.salt(body, key)      # its prefix-cache salt (cache_salt, the key under isolation)
         refuse_unsupported(body, chat)
         stream, include_usage = _stream_options(body)
         p = await self.prepare(body, chat)
-        k = p.params.get("logprobs")
-        ch = Choices(a, await self.submit(p, salt), chat, len(p.prompt), k, p.tools, p.harmony, reasoner=p.reasoner)
+        ch = await self.choices(p, salt, p.params.get("logprobs"))
         ch.shown = prompt_shown(body, p.prompt, a.tok, chat)     # echo, prompt_logprobs
         if stream:
             return Stream(a, ch, include_usage)
@@ -239,7 +249,6 @@ class Routes:
 
     async def prepare(self, body: dict, chat: bool) -> Prepared:
         """The body's prompt tokenized and its sampling parameters checked, with its tools' grammar or trigger."""
-        from starlette.concurrency import run_in_threadpool
         a = self.srv
         stops = stop_rules(body)
         tools = parse_tools(body) if chat else None
