@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 
@@ -89,24 +90,27 @@ def main():
     R["pinned_peak_GBps"] = round(peak, 1)
     # 2. streaming experts
     work = tempfile.mkdtemp(prefix="tiered-moe-gpu-")
-    gbps = store_stream(clock, work, dev, dry)
-    R["store_stream_GBps"] = round(gbps, 1)
-    R["store_stream_vs_peak"] = round(gbps / peak, 3)
-    R["store_stream_goal_met"] = gbps >= 0.85 * peak
-    # 3. decode step with prefetch
-    store = build_decode_store(work, dry)
-    compute, R["decode"] = decode_check(store, dev, dry, gbps)
-    # 4. quantized experts: dequantize + matmul vs the transfer saved
-    R["quantized"] = quantized_check(clock, dev, dry, gbps)
-    # 5. hybrid execution: transfer-only vs the cost model's split vs all resident, batch 1
-    R["hybrid"] = hybrid_check(store, dev, dry, compute)
-    # 6. hybrid attention on the device against the CPU
-    R["hybrid_attention"] = hybrid_attention_check(work, dev)
-    # 8. tensor parallelism (issue 20): as many ranks as GPUs, at least 2 (one GPU is shared by the ranks, over
-    # gloo); 25% of the experts per rank as slices; against one process: tokens, bytes per rank, speed
-    R["tensor_parallel"] = tensor_parallel_check(store, dry)
-    # 7. cuda tests
-    R["cuda_tests"] = cuda_tests(dry)
+    try:
+        gbps = store_stream(clock, work, dev, dry)
+        R["store_stream_GBps"] = round(gbps, 1)
+        R["store_stream_vs_peak"] = round(gbps / peak, 3)
+        R["store_stream_goal_met"] = gbps >= 0.85 * peak
+        # 3. decode step with prefetch
+        store = build_decode_store(work, dry)
+        compute, R["decode"] = decode_check(store, dev, dry, gbps)
+        # 4. quantized experts: dequantize + matmul vs the transfer saved
+        R["quantized"] = quantized_check(clock, dev, dry, gbps)
+        # 5. hybrid execution: transfer-only vs the cost model's split vs all resident, batch 1
+        R["hybrid"] = hybrid_check(store, dev, dry, compute)
+        # 6. hybrid attention on the device against the CPU
+        R["hybrid_attention"] = hybrid_attention_check(work, dev)
+        # 8. tensor parallelism (issue 20): as many ranks as GPUs, at least 2 (one GPU is shared by the ranks, over
+        # gloo); 25% of the experts per rank as slices; against one process: tokens, bytes per rank, speed
+        R["tensor_parallel"] = tensor_parallel_check(store, dry)
+        # 7. cuda tests
+        R["cuda_tests"] = cuda_tests(dry)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)     # the stores written here (16 MB dry, GBs on the GPU machine)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_check_dry_run.json" if dry else "gpu_check.json"), "w") as f:
         json.dump(R, f, indent=1)

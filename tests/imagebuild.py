@@ -62,6 +62,11 @@ def debian_mirror() -> "str | None":
     return None
 
 
+def dangling_images() -> set:
+    out = sh("docker", "images", "--filter", "dangling=true", "--quiet", "--no-trunc", check=False)
+    return set(out.stdout.split()) if out.returncode == 0 else set()
+
+
 class _Skip(Exception):
     pass
 
@@ -74,6 +79,7 @@ class ImageBuild:
         self.outcome = None            # IMAGE, ("skip", reason) or ("error", message)
         self.dockerd = None
         self.work = tempfile.mkdtemp(prefix="tiered-moe-image-")
+        self.dangling: "set | None" = None  # untagged images before the build: the build's own are removed by close
         self.thread = threading.Thread(target=self._run, name="image-build", daemon=True)
 
     def start(self) -> "ImageBuild":
@@ -144,15 +150,21 @@ class ImageBuild:
         torch_version = version("torch")
         sh(sys.executable, "-m", "pip", "wheel", "-q", "-w", wheels, f"torch=={torch_version}", "setuptools>=64",
            "wheel", ctx, timeout=900)
+        self.dangling = dangling_images()
         sh("docker", "build", "--network", "host", "-f", os.path.join(ctx, "docker", "Dockerfile"), "--build-arg",
            f"BASE={base}", "--build-arg", f"BUILD_BASE={build_base}", "--build-arg", f"TORCH_SPEC=torch=={torch_version}", "--build-arg", "TORCH_INDEX=",
            "--build-arg", "PIP_ARGS=--no-index", "-t", IMAGE, ctx, timeout=1200)
         return IMAGE
 
     def close(self) -> None:
-        """Stop the daemon if this build started it; remove the build's files."""
+        """Remove the image and the untagged images its build left (the wheel's build stage), stop the daemon if this
+        build started it, remove the build's files. Each build leaves about 2.4 GB: kept, a machine that runs the
+        suite again and again fills its disk (the base images stay: they are rebuilt only when missing)."""
         if self.thread.is_alive():
             self.thread.join(timeout=1200)
+        if self.dangling is not None and daemon_up():
+            left = sorted(dangling_images() - self.dangling)
+            sh("docker", "rmi", "-f", IMAGE, *left, check=False)
         if self.dockerd is not None:
             self.dockerd.terminate()
             try:
