@@ -17,6 +17,7 @@ import torch
 
 from .. import kernels
 from ..kernels.cores import free_cores
+from ..kernels import hugepages
 from .config import MoEConfig
 from .layers.cache import KVFull, PagedKV, Sequence, StateCacheSpec, TokenCacheSpec, WindowCacheSpec, kv_block_size
 from .layers.kinds import attention_kind, cache_specs, kv_bytes_per_token, state_bytes_per_sequence
@@ -144,6 +145,9 @@ class MoEModel:
         self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype, **linear_opts(w, head=True)) \
             if "lm_head.weight" in w and self.last else None
         self.unused = sorted(w)    # dense tensors of the store no layer reads (none for a supported model)
+        if self.on_host:           # the dense weights in 2 MiB pages, before the fused kernels take their addresses
+            hugepages.rehome((self.layers, self.head, self.embed, self.norm, self.residual),
+                             skip=(self.experts, self.executor))
         self._pick_layer_backends(tp, device)
 
     def _build_layer(self, i: int, w: dict) -> DecoderLayer:

@@ -14,6 +14,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..kernels import hugepages
 from .layout import _DTYPES, ALIGN, Manifest
 from .shared import SharedSegment
 from .slices import Shard, slice_expert
@@ -33,6 +34,8 @@ class Slab:
         pad = ALIGN if device == "cpu" else 0
         raw = buffer if buffer is not None else torch.empty(n * stride + pad, dtype=torch.uint8, device=device,
                                                             pin_memory=pin)
+        if buffer is None and device == "cpu" and not pin:
+            hugepages.advise(raw)       # before the slots are written: the experts' pages come in 2 MiB
         off = (-raw.data_ptr()) % ALIGN if pad else 0
         self.data = raw[off:off + n * stride].view(n, stride)   # data: [slots, stride] bytes
         self.free = list(range(n - 1, -1, -1))

@@ -72,15 +72,22 @@ class Linear:
         c, s = _PARTS[self.quant]
         self.codes, self.scales = parts[c].contiguous(), parts[s].contiguous()   # [out, in or in/2], [out, in/32]
         self.bias32 = None if self.b is None else self.b.float().contiguous()
-        a = self.args = kernels.LinArgs()
+        a = self._args = kernels.LinArgs()
         a.fmt = kernels.FMT_CODES[name]
         a.sfmt = kernels.SCALE_CODES[params["scale_dtype"]]
         a.group = params["group"]
         a.q8 = int(act_quant == "q8")
         a.K, a.N = self.in_features, self.out_features
+        self._ldd = kernels.lib().tm_q8_ldd(self.in_features)           # q8 scales per row: the build's layout
+
+    @property
+    def args(self):
+        """The C arguments' template (quantized weights), pointed at the codes, scales and bias where they are now:
+        runtime/kernels/hugepages.py moves them after construction, so no address is kept from then."""
+        a = self._args
         a.W, a.S = self.codes.data_ptr(), self.scales.data_ptr()
         a.bias = self.bias32.data_ptr() if self.bias32 is not None else None
-        self._ldd = kernels.lib().tm_q8_ldd(self.in_features)           # q8 scales per row: the build's layout
+        return a
 
     @property
     def nbytes(self) -> int:
