@@ -267,6 +267,37 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "its experts loaded: optimistic) or other (an unrelated token's: pessimistic); default next")
 
 
+def _add_live_speculative_args(p: argparse.ArgumentParser) -> None:
+    """generate / serve: speculative decoding in the engine (runtime/engine/speculative.py); vLLM's names."""
+    g = p.add_argument_group("speculative decoding (runtime/engine/speculative.py)")
+    g.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="draft tokens and verify them in one step: ngram (prompt lookup over prompt + output), mtp "
+                        "(the checkpoint's multi-token-prediction layers), draft (--draft-model); greedy outputs are "
+                        "those of plain decoding, sampled ones keep their distribution (default off)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="the most drafts per request and step, 1..16 (default 4)")
+    g.add_argument("--spec-rule", default="cost", help=f"{', '.join(SPEC_RULES)}: how many of the K drafts a step "
+                                                       "verifies (cost: by the expected tokens against the experts the "
+                                                       "verify step moves; fixed: K every step); default cost")
+    g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
+                   help="ngram: the shortest suffix matched (default 1)")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
+                   help="ngram: the longest suffix matched (default 4)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="--speculative draft: a store of a smaller model with the same tokenizer")
+
+
+def spec_options(a) -> "dict | None":
+    """The command line's speculative-decoding options (generate / serve) as RuntimeConfig's dict (validated there:
+    runtime/engine/speculative.py SpecOptions); None when --speculative is not given."""
+    if getattr(a, "speculative", None) is None:
+        if getattr(a, "draft_model", None) is not None:
+            raise CliError("--draft-model is for --speculative draft")
+        return None
+    return dict(method=a.speculative, num_speculative_tokens=a.num_speculative_tokens, rule=a.spec_rule,
+                draft_model=a.draft_model, ngram_min=a.prompt_lookup_min, ngram_max=a.prompt_lookup_max)
+
+
 def _convert(sub, commands: dict) -> None:
     c = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint into the tiered store layout")
     c.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
@@ -299,6 +330,7 @@ def _generate(sub, commands: dict) -> None:
     g.add_argument("--trace-out", help="write the routing trace (.npz) of this run")
     g.add_argument("--json", action="store_true")
     _add_engine_args(g, max_batch=16)
+    _add_live_speculative_args(g)
     g.set_defaults(func=commands['generate'])
 
 
@@ -334,6 +366,7 @@ def _serve(sub, commands: dict) -> None:
     _add_tier_args(sv)
     sv.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the engine to load")
     _add_engine_args(sv, max_batch=32)
+    _add_live_speculative_args(sv)
     sv.set_defaults(func=commands['serve'])
 
 

@@ -12,9 +12,10 @@ import threading
 
 import torch
 
-from .cli_args import CliError, parse_budget
+from .cli_args import CliError, parse_budget, spec_options
 from .config import RuntimeConfig
 from .engine import SamplingParams
+from .engine.speculative import spec_line
 from .model import MoEConfig
 from .model.convert import convert
 from .model.moe import kv_bytes_per_token, state_bytes_per_sequence
@@ -166,7 +167,7 @@ def _runtime_config(a, max_active="args"):
                              profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "q8"),
                              dense_quant=getattr(a, "dense_quant", "none"),
                              tensor_parallel=getattr(a, "tensor_parallel", 1),
-                             pipeline_parallel=getattr(a, "pipeline_parallel", 1))
+                             pipeline_parallel=getattr(a, "pipeline_parallel", 1), speculative=spec_options(a))
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -239,9 +240,10 @@ def _summary_line(summ: dict, store) -> str:
         per_tok = summ["bytes"]["disk_to_host"] / max(1, summ["generated_tokens"])
         return (head + f"experts from host memory {summ['hits']['host'] / need:.3f}, from disk "
                 f"{summ['hits']['disk'] / need:.3f} ({per_tok / 1e6:.1f} MB read per token); stalled "
-                f"{summ['stall_seconds']:.3f} s]")
+                f"{summ['stall_seconds']:.3f} s]" + spec_line(summ.get("speculative")))
     return (head + f"device hit rate {summ['hit_rate_device']:.3f}; stalled {summ['stall_seconds']:.3f} s; "
-            f"device tier: {'CPU memory standing in for HBM' if summ['device_is_stand_in'] else store.device}]")
+            f"device tier: {'CPU memory standing in for HBM' if summ['device_is_stand_in'] else store.device}]"
+            + spec_line(summ.get("speculative")))
 
 
 def _api_keys(a) -> list:

@@ -16,6 +16,7 @@ from cache_policy.prefetch import LIVE_PREFETCHERS
 from cache_policy.replay import PREFETCH_RULES
 
 from .engine import Engine
+from .engine.speculative import SpecOptions
 from .kernels.moe import ACT_QUANT
 from .model import load_model
 from .model.config import MoEConfig
@@ -50,6 +51,8 @@ class RuntimeConfig:
     pipeline_parallel: int = 1           # stages of consecutive layers (x tensor_parallel ranks each)
     prefix_caching: bool = True          # reuse the KV blocks of cached prompt prefixes (runtime/engine/kv_manager.py)
     prefix_snapshots: "int | None" = None   # state snapshots for the prefix cache (stateful models; None: max_active)
+    # speculative decoding: SpecOptions' fields as a dict (the config travels as one), None: off
+    speculative: "dict | None" = None
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "manifest.json")):
@@ -106,6 +109,10 @@ class RuntimeConfig:
             if self.host_budget is not None:
                 raise ValueError("--pipeline-parallel needs a host tier that holds every expert of a stage: drop "
                                  "--host-budget")
+        if self.speculative is not None:
+            SpecOptions(**self.speculative)           # validated now; errors name the flag
+            if self.tensor_parallel * self.pipeline_parallel > 1:
+                raise ValueError("--speculative runs on one process: drop --tensor-parallel / --pipeline-parallel")
         if self.tensor_parallel > 1:
             if self.host_budget is not None:
                 raise ValueError("--tensor-parallel needs a host tier that holds every expert (shared by the node's "
@@ -135,4 +142,5 @@ class RuntimeConfig:
         return Engine(model, store, max_batch=batch, prefill_chunk=self.prefill_chunk, prefetch=self.prefetch,
                       cache_bonus=self.cache_bonus, schedule=self.schedule, max_active=max_active,
                       prefetch_rule=self.prefetch_rule, keep_records=keep_records,
-                      prefix_caching=self.prefix_caching, prefix_snapshots=self.prefix_snapshots)
+                      prefix_caching=self.prefix_caching, prefix_snapshots=self.prefix_snapshots,
+                      speculative=SpecOptions(**self.speculative) if self.speculative is not None else None)

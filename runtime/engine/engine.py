@@ -8,7 +8,8 @@ time (``StepRecord``), and the routing of every fed token, written as a trace in
 ``cache_policy`` format. As soon as each MoE layer has routed (before its experts compute) the
 ``PrefetchController`` (the one replay runs) predicts the next layer's experts and the store moves those
 the cost rule keeps, so their loads overlap this layer's compute. The model hears of the step through
-one ``StepHooks`` per forward.
+one ``StepHooks`` per forward. With ``speculative`` (spec_step.py) decoding requests feed drafts after their last
+token and keep those the target agrees with: several tokens per request per step.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from .kv_manager import KVManager
 from .request import (SAMPLING_EPS, FinishReason, Request, SamplingParams, SchedulerOutput, StepOutput, StepRecord,
                       StepResult, prompt_logprobs_of, sample)
 from .scheduler import SCHEDULES, Scheduler
+from .spec_step import SpecStep
+from .speculative import SpecOptions, spec_summary
 
 __all__ = ["Engine", "FinishReason", "Request", "SamplingParams", "SchedulerOutput", "StepOutput", "StepRecord",
            "StepResult", "sample", "SAMPLING_EPS"]
@@ -41,7 +44,7 @@ class Engine:
                  prefetch_budget: "int | None" = None, max_context: "int | None" = None,
                  schedule: str = "fcfs", max_active: "int | None" = None, cache_bonus: float = 0.0,
                  prefetch_rule: str = "cost", keep_records: bool = True, prefix_caching: bool = True,
-                 prefix_snapshots: "int | None" = None) -> None:
+                 prefix_snapshots: "int | None" = None, speculative: "SpecOptions | None" = None) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be positive")
         if schedule not in SCHEDULES:
@@ -54,6 +57,8 @@ class Engine:
             raise ValueError(f"cache_bonus must be >= 0, got {cache_bonus!r}")
         if prefetch_rule not in PREFETCH_RULES:
             raise ValueError(f"unknown prefetch rule {prefetch_rule!r}; choose one of {', '.join(PREFETCH_RULES)}")
+        if speculative is not None and not isinstance(speculative, SpecOptions):
+            raise ValueError(f"speculative must be a SpecOptions or None, got {type(speculative).__name__}")
         if prefetch not in LIVE_PREFETCHERS:
             raise ValueError(f"unknown prefetch {prefetch!r}; the live engine takes {', '.join(LIVE_PREFETCHERS)}")
         self.model, self.store = model, store
@@ -93,18 +98,25 @@ class Engine:
         per_seq = model.state_bytes_per_sequence()
         self.prefix_snapshots = (0 if not (prefix_caching and per_seq) else
                                  max_active if prefix_snapshots is None else prefix_snapshots)
+        # Speculative decoding on such models: one scratch state slot per sequence of a step (the state before a
+        # verify chunk, restored when a draft is rejected: spec_step.py), out of the same budget.
+        scratch = max_batch if speculative is not None and per_seq else 0
         if model.kv is None:
             tokens = default_cache_tokens(self.max_context, max_batch)
             # Linear-attention layers: a fixed state slot per running sequence comes out of the same budget.
             model.init_kv(model.kv_bytes or tokens * model.kv_bytes_per_token()
-                          + (max_active + self.prefix_snapshots) * per_seq, max_seqs=max_active,
+                          + (max_active + self.prefix_snapshots + scratch) * per_seq, max_seqs=max_active + scratch,
                           snapshots=self.prefix_snapshots)
         self.kv = KVManager.for_cache(model.kv)       # the one allocator of the cache's blocks and slots
+        # (a cache made before: its spare sequence slots, one left for the sequences at least)
+        scratch = [self.kv.free_state.pop() for _ in range(min(scratch, len(self.kv.free_state) - 1))]
         self.grammars = GrammarBuilds()               # requests whose grammar is compiling (off the loop)
         self.scheduler = Scheduler(lambda: self.kv, max_batch=max_batch, max_active=max_active,
                                    prefill_chunk=prefill_chunk, step_tokens=self._step_tokens(max_batch),
                                    schedule=schedule, num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
                                    eos_token_ids=cfg.eos_token_ids, prefix_caching=prefix_caching)
+        self.speculative = speculative
+        self.spec = SpecStep(self, speculative, scratch) if speculative is not None else None
 
     def _step_tokens(self, max_batch: int) -> "int | None":
         """A layer whose experts exceed the device tier runs in waves - which needs a host tier that
@@ -134,6 +146,11 @@ class Engine:
         if name in Engine._SCHEDULER_VIEW and "scheduler" in self.__dict__:
             return getattr(self.scheduler, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def drafter(self):
+        """The speculative drafter (speculative.py's Drafter), None when speculation is off."""
+        return self.spec.drafter if self.spec is not None else None
 
     @property
     def schedule(self) -> str:
@@ -279,10 +296,15 @@ class Engine:
         sched = self.scheduler.schedule(self._step_no)
         if not sched.requests:
             return StepResult([], None)
+        plan = None
         before = self.store.stats.counters()
         try:
-            logits = self._run(sched)
+            if self.spec is not None:
+                sched, plan = self.spec.plan(sched)      # drafts appended to the chunks of requests that speculate
+            logits = self._run(sched, plan)
         except Exception as e:  # noqa: BLE001 - one step's failure must not take the engine down
+            if plan is not None:
+                self.spec.abandon(plan)
             if self.fail_fast:
                 raise
             msg = f"{type(e).__name__}: {e}"
@@ -296,20 +318,30 @@ class Engine:
         if self.routing_sync is not None:
             self._step_routing = self.routing_sync(self._step_routing)
         unique = self._file_routing(sched)
-        out, ended, failed = self.scheduler.postprocess(sched, logits, time.perf_counter())
+        fig = None
+        if plan is not None:
+            out, ended, failed, fig = self.spec.postprocess(sched, plan, logits, time.perf_counter())
+        else:
+            out, ended, failed = self.scheduler.postprocess(sched, logits, time.perf_counter())
         for r in ended:
             self.done[r.id] = r
         self.store.end_step()
-        return StepResult(out, self._record_step(before, sched, unique, t0, failed=failed))
+        rec = self._record_step(before, sched, unique, t0, failed=failed, spec=fig)
+        if self.spec is not None:
+            self.spec.after_step(sched.requests, rec)      # the draft-length rule's live inputs
+        return StepResult(out, rec)
 
-    def _run(self, sched: SchedulerOutput):
+    def _run(self, sched: SchedulerOutput, plan=None):
         self._step_routing = []
         if self.prefetcher.active and self._known:
             # Layers whose experts follow from the step's tokens (DeepSeek-V4's hash tables): moved now,
             # exactly, while the first layers run - not predicted
             for m, experts in self.model.known_experts([t for c in sched.chunks for t in c]).items():
                 self.store.prefetch(m, experts, self._step_no)
-        return self.model.forward([r.seq for r in sched.requests], sched.chunks, self._step_hooks(sched))
+        hooks = self._step_hooks(sched)
+        if plan is not None:
+            hooks = self.spec.hooks(hooks, plan)        # every row's logits of the verify chunks
+        return self.model.forward([r.seq for r in sched.requests], sched.chunks, hooks)
 
     def _step_hooks(self, sched: SchedulerOutput) -> StepHooks:
         """The step's hooks, with the requests whose prompt's log-probabilities this step computes (prompt_logprobs:
@@ -357,11 +389,14 @@ class Engine:
         flat = np.sort(A.transpose(1, 0, 2).reshape(L, -1), axis=1)                 # flat: [L, tokens * k]
         return (1 + (flat[:, 1:] != flat[:, :-1]).sum(1)).tolist()
 
-    def _record_step(self, before, sched: SchedulerOutput, unique, t0, failed=0) -> StepRecord:
+    def _record_step(self, before, sched: SchedulerOutput, unique, t0, failed=0, spec=None) -> StepRecord:
         d = self.store.stats.since(before)
         rec = StepRecord(step=self._step_no, batch=len(sched.chunks), tokens=sched.tokens, unique_experts=unique,
                          hits=d["hits"], bytes=d["bytes"], stall_seconds=d["stall_seconds"],
                          seconds=time.perf_counter() - t0, failed=failed)
+        if spec is not None:
+            rec = replace(rec, spec_drafted=spec.drafted, spec_accepted=spec.accepted, spec_refed=spec.refed,
+                          spec_lengths=tuple(spec.lengths), spec_verify_unique_experts=spec.unique)
         if not self.keep_records:
             self.steps.clear()
         self.steps.append(rec)
@@ -413,11 +448,12 @@ class Engine:
         need = sum(hits.values())
         ttft = [r.first_token_time - r.arrival for r in self.done.values() if r.first_token_time]
         snap = self.store.snapshot()
-        decode = [s for s in steps if s.tokens == s.batch]      # steps of one token per sequence (no prefill)
+        # steps without prefill: one token per sequence, plus its drafts and kept tokens fed again (speculation)
+        decode = [s for s in steps if s.tokens == s.batch + s.spec_drafted + s.spec_refed]
         decode_secs = sum(s.seconds for s in decode)
         return {"steps": len(steps), "generated_tokens": gen, "seconds": secs,
                 "tokens_per_s": gen / secs if secs else 0.0,
-                "decode_tokens_per_s": sum(s.batch for s in decode) / max(1e-9, decode_secs),
+                "decode_tokens_per_s": sum(s.batch + s.spec_accepted for s in decode) / max(1e-9, decode_secs),
                 # the decode steps alone: how fast the disk was read while tokens were generated
                 "decode_seconds": decode_secs, "decode_bytes": {k: sum(s.bytes[k] for s in decode) for k in LINKS},
                 "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
@@ -427,4 +463,5 @@ class Engine:
                 "mean_unique_experts_per_layer": float(np.mean([np.mean(s.unique_experts) for s in steps])) if steps else 0.0,
                 "prefetch": {**self.prefetcher.precision_recall(), **snap["prefetch"]},
                 "computed": snap["computed"], "host_compute_seconds": snap["host_compute_seconds"],
-                "device_is_stand_in": self.store.device_is_stand_in}
+                "device_is_stand_in": self.store.device_is_stand_in,
+                **({"speculative": spec_summary(self.speculative, self.done.values())} if self.speculative else {})}

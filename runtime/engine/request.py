@@ -269,6 +269,13 @@ class Request:
     # params.prompt_logprobs: per prompt position, None for the first, then its token's TokenLogprobs (the engine
     # fills them as the prompt's chunks run)
     prompt_logprobs: "list | None" = None
+    # speculative decoding (speculative.py): tokens of output[-1:] fed again before output[-1] - their state was
+    # rolled back after a rejected draft (a model with per-sequence state); drafts proposed / kept; per verify
+    # step, how many of its drafts were kept
+    refeed: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_lengths: list = field(default_factory=list)
 
 
 @dataclass
@@ -282,6 +289,13 @@ class StepRecord:
     stall_seconds: float
     seconds: float
     failed: int = 0          # requests this step failed (an error while serving them)
+    # speculative decoding: drafts fed / kept this step, kept tokens fed again after a state rollback, each verified
+    # request's kept drafts, and the distinct experts per MoE layer (mean over layers) its verify chunks routed to
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_refed: int = 0
+    spec_lengths: tuple = ()
+    spec_verify_unique_experts: "float | None" = None
 
 
 

@@ -45,6 +45,9 @@ class Scheduler:
         # of what the cache held when it was admitted (where another request with the same prefix will look); no
         # finer than the prefill chunk, which a boundary would otherwise cut (a prompt's rows per expert)
         self.snapshot_every = max(256, prefill_chunk)
+        # callable(request): a request left the running set (finished, failed, preempted, aborted) - speculative
+        # decoding's drafter drops what it keeps for it. None: nobody listens.
+        self.on_release = None
 
     @property
     def blocks(self) -> KVManager:
@@ -60,6 +63,7 @@ class Scheduler:
                 if r.id == rid:
                     q.remove(r)
                     self.blocks.release(r.seq)
+                    self._released(r)
                     return r
         return None
 
@@ -77,7 +81,8 @@ class Scheduler:
             return SchedulerOutput([], [])
         batch = self._choose(step_no) if len(self.running) > self.max_batch else list(self.running)
         chunks, fed = [], []
-        budget = None if self.step_tokens is None else self.step_tokens - sum(self.decoding(r) for r in batch)
+        budget = None if self.step_tokens is None else \
+            self.step_tokens - sum(1 + r.refeed for r in batch if self.decoding(r))
         for r in batch:
             if r not in self.running:
                 continue              # preempted below for an earlier request of this step
@@ -140,7 +145,8 @@ class Scheduler:
 
     def _next_chunk(self, r: Request, budget: "int | None") -> "list | None":
         if self.decoding(r):
-            return [r.output[-1]]
+            # output[-1], after the kept tokens a rolled-back state must see again (speculative decoding)
+            return r.output[-1 - r.refeed:]
         src = r.recompute if r.recompute is not None else r.prompt
         n = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
         if n > 0 and self._snapshots():
@@ -168,7 +174,9 @@ class Scheduler:
         r.seq = Sequence()
         r.fed = 0
         r.recompute = (r.prompt + r.output[:-1]) if r.output else None
+        r.refeed = 0
         r.preemptions += 1
+        self._released(r)
         self.preemptions += 1
         self.waiting.insert(0, r)
 
@@ -202,6 +210,7 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
         self.blocks.release(r.seq)
+        self._released(r)
         # a grammar that fails while generating (a limit of its own hit) is the request's error, not the engine's
         reason = FinishReason.REJECTED if getattr(r.matcher, "failed", False) else FinishReason.ERROR
         r.finished, r.finish_reason, r.error = True, reason, message
@@ -263,10 +272,19 @@ class Scheduler:
             out.append(StepOutput(r.id, tok, r.finished, r.finish_reason, logprobs=lp,
                                   cached_tokens=r.cached_tokens if len(r.output) == 1 else None, prompt_logprobs=plp))
             if r.finished:
-                self.running.remove(r)
-                self.blocks.release(r.seq)
+                self.finish(r)
                 ended.append(r)
         return out, ended, failed
+
+    def finish(self, r: Request) -> None:
+        """A finished request leaves the running set; its blocks and state slot are freed."""
+        self.running.remove(r)
+        self.blocks.release(r.seq)
+        self._released(r)
+
+    def _released(self, r: Request) -> None:
+        if self.on_release is not None:
+            self.on_release(r)
 
     def _pick(self, r: Request, logits) -> tuple:
         """(token, None, logprobs or None, prompt logprobs or None) or (None, why sampling failed, None, None). The
@@ -293,4 +311,5 @@ class Scheduler:
         if r.fed < len(r.prompt):
             r.fed += n
             return r.fed >= len(r.prompt)
+        r.refeed = 0                            # the kept tokens were fed again with output[-1]
         return True

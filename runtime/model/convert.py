@@ -31,9 +31,10 @@ from ..quant import ExpertCodec, quantize_choices, WeightFormat, dense_format_of
 from ..store.layout import StoreWriter
 from cache_policy.jsonfile import read_json
 
-from .arch import module
+from .arch import language_model, module
 from .config import MoEConfig
 from .moe import dense_tensors
+from .mtp import MTP_DENSE, mtp_checkpoint, mtp_config, mtp_copies, mtp_dense_tensors, mtp_layers_of, mtp_store_dir
 # The tensor names the layers share with conversion live in names.py; importable from here as before.
 from .names import expert_names
 
@@ -379,7 +380,8 @@ class ConvertReport:
     blob_bytes: int
     mean_rel_error: "float | None" = None
     max_rel_error: "float | None" = None
-    unread: list = field(default_factory=list)   # checkpoint tensors decoding does not need (vision, MTP), not read
+    unread: list = field(default_factory=list)   # checkpoint tensors decoding does not need (vision...), not read
+    mtp_layers: int = 0            # multi-token-prediction layers kept (the store's mtp/ part: runtime/model/mtp.py)
 
 
 def _expert_reader(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant"):
@@ -465,7 +467,6 @@ def _write_experts(writer, cfg: MoEConfig, logical, fmt, shipped: bool, weights:
 
 def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: str, out_dir: str) -> None:
     """The dense tensors (dequantized like every non-expert weight), config and tokenizer files."""
-    from safetensors.torch import save_file
     embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     arch = module(cfg.model_type)
     # tensors an architecture stores as rows of one (Granite's shared MLP, Ling's query_key_value) where the
@@ -477,12 +478,7 @@ def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: 
         dense[n] = read_dense(ck, n, s, sq, embed.dtype) if where is None else read_rows(ck, n, s, where)
     if hasattr(arch, "convert_dense"):   # an architecture's reordering of stored weights (ERNIE 4.5's q/k rows)
         arch.convert_dense(cfg, dense)
-    path = os.path.join(out_dir, "dense.safetensors")
-    save_file(dense, path)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)   # safetensors writes 0600: a store must be readable like its other files
-                                     # (a container's unprivileged user reads a store converted by root)
+    _save_readable(dense, os.path.join(out_dir, "dense.safetensors"))
     shutil.copy(os.path.join(model_dir, "config.json"), os.path.join(out_dir, "config.json"))
     for f in TOKENIZER_FILES:
         if os.path.exists(os.path.join(model_dir, f)):
@@ -516,8 +512,62 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
     errors = _write_experts(writer, cfg, logical, fmt, shipped, weights, quantize, model_dir, progress)
     man = writer.close()
     _write_dense(ck, cfg, sq, model_dir, out_dir)
+    n_mtp = _mtp_shipped(mtp_checkpoint(ck, cfg), cfg, mtp_layers_of(cfg, language_model(raw_cfg)))
+    if n_mtp:
+        errors += _write_mtp(mtp_checkpoint(ck, cfg), cfg, n_mtp, sq, fmt, shipped, weights, source, quantize,
+                             model_dir, out_dir)
     return ConvertReport(fmt.name, source, man.blob_bytes, float(sum(errors) / len(errors)) if errors else None,
-                         max(errors) if errors else None, unread=ck.unread())
+                         max(errors) if errors else None, unread=ck.unread(), mtp_layers=n_mtp)
+
+
+def _mtp_shipped(ck: Checkpoint, cfg: MoEConfig, n: int) -> int:
+    """Of the ``n`` MTP layers config.json announces, how many the checkpoint ships whole, in order: a re-upload may
+    drop them, a config class may default num_nextn_predict_layers to 1 without any; an incomplete layer (and those
+    after it) is not read - its tensors are reported unread - and decoding does not need it."""
+    if not n:
+        return 0
+    mcfg = mtp_config(cfg, n)
+    for j, i in enumerate(mcfg.moe_layers):
+        p = f"model.layers.{i}."
+        names = [k for k in mtp_dense_tensors(cfg, j + 1) if k.startswith(p)]
+        if not all(ck.has(k) for k in names) or not (ck.has(fused_expert_name(mcfg, i, "gate_up_proj")) or
+                                                     all(ck.has(k) for k in expert_names(mcfg, i, 0).values())):
+            return j
+    return n
+
+
+def _write_mtp(ck: Checkpoint, cfg: MoEConfig, n: int, sq: "ShippedQuant", fmt, shipped: bool, weights: list,
+               source: str, quantize, model_dir: str, out_dir: str) -> list:
+    """The checkpoint's ``n`` multi-token-prediction layers (``ck`` reads them by our names: mtp.mtp_checkpoint)
+    into the store's mtp/ part (runtime/model/mtp.py): their
+    experts a store of their own in the main store's format (``fmt``, ``shipped``, ``weights``, ``source``), their
+    dense tensors - dequantized like the model's - and the per-layer embedding / head copies that differ from the
+    model's. Returns the quantization errors of a sample of experts."""
+    mcfg, sub = mtp_config(cfg, n), mtp_store_dir(out_dir)
+    writer = StoreWriter(sub, model=os.path.basename(os.path.abspath(model_dir)) + " (MTP)", num_layers=n,
+                         num_experts=cfg.num_experts, weights=weights, layer_numbers=mcfg.moe_layers,
+                         extra={"model_type": cfg.model_type, "expert_source": source, "mtp_of": cfg.num_layers})
+    errors = _write_experts(writer, mcfg, _expert_reader(ck, mcfg, sq), fmt, shipped, weights, quantize, model_dir, False)
+    writer.close()
+    embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    dense = {k: read_dense(ck, k, s, sq, embed.dtype) for k, s in mtp_dense_tensors(cfg, n).items()}
+    head = embed if cfg.tie_word_embeddings else read_dense(ck, "lm_head.weight", embed.shape, sq, embed.dtype)
+    for k, s in mtp_copies(cfg, n).items():
+        if ck.has(k):
+            t = read_dense(ck, k, s, sq, embed.dtype)
+            if not torch.equal(t, embed if k.endswith("embed_tokens.weight") else head):
+                dense[k] = t
+    _save_readable(dense, os.path.join(sub, MTP_DENSE))
+    return errors
+
+
+def _save_readable(tensors: dict, path: str) -> None:
+    from safetensors.torch import save_file
+    save_file(tensors, path)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)   # safetensors writes 0600: a store must be readable like its other files
+                                     # (a container's unprivileged user reads a store converted by root)
 
 
 def load_dense(store_dir: str, cfg: MoEConfig) -> dict:

@@ -341,6 +341,9 @@ class MoEModel:
         x = res.leave(h)                                                 # x: [tokens, hidden]
         if hooks.every_token:
             self._every_token(seqs, ctx.spans, x, hooks)
+        if hooks.token_hidden is not None:
+            for s, (a, b) in zip(seqs, ctx.spans):      # normed rows of each chunk (speculative drafters: MTP)
+                hooks.token_hidden(s, 0, self.norm(x[a:b]))
         # decode: every token is its sequence's last
         return self._logits(self.norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans],
                                                                            device=self.device)]))

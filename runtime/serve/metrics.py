@@ -207,6 +207,14 @@ class ServerMetrics:
         self.requests = Counter(P + "requests", "Finished requests by finish_reason: stop, length, abort (the client "
                                 "left or aborted), error (the engine failed it or died)", ["finish_reason"], registry=r)
         self.steps_total = Counter(P + "steps", "Engine steps", registry=r)
+        # speculative decoding (runtime/engine/spec_step.py): counts, and per verify chunk its accepted drafts
+        self.spec_draft = Counter(P + "spec_draft_tokens", "Draft tokens verified (speculative decoding)", registry=r)
+        self.spec_accepted = Counter(P + "spec_accepted_tokens", "Draft tokens the target model accepted", registry=r)
+        self.spec_length = Histogram(P + "spec_accepted_length", "Per verify chunk: drafts accepted (0..K)",
+                                     buckets=tuple(range(17)), registry=r)
+        self.spec_unique = Histogram(P + "spec_verify_unique_experts", "Per step with verify chunks: distinct experts "
+                                     "per MoE layer (mean over layers) the verify chunks routed to", buckets=_COUNTS,
+                                     registry=r)
 
     def on_step(self, record: dict, stats: dict) -> None:
         self.store.update(stats)
@@ -216,6 +224,16 @@ class ServerMetrics:
             self.step.observe(record["seconds"])
             self.batch.observe(record["batch"])
             self.unique.observe(record["mean_unique_experts"])
+            self._on_spec(record)
+
+    def _on_spec(self, record: dict) -> None:
+        if record.get("spec_drafted"):
+            self.spec_draft.inc(record["spec_drafted"])
+            self.spec_accepted.inc(record.get("spec_accepted", 0))
+        for a in record.get("spec_lengths") or ():
+            self.spec_length.observe(a)
+        if record.get("spec_verify_unique_experts") is not None:
+            self.spec_unique.observe(record["spec_verify_unique_experts"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,10 @@
 """DeepSeek-V3 (``deepseek_v3``; Kimi K2's architecture): MLA (optional q LoRA, compressed KV
 latent, interleaved RoPE), sigmoid router with a correction bias and group-limited top-k, shared
-experts, dense first layers."""
+experts, dense first layers.
+
+Its multi-token-prediction layers (``num_nextn_predict_layers``: ``model.layers.{L..}.*`` after the last layer - enorm,
+hnorm, eh_proj, a full decoder layer with MoE experts, shared_head) are read by convert into the store's ``mtp/``
+part and draft for ``--speculative mtp`` (runtime/model/mtp.py)."""
 
 
 def sliding_layers(d: dict, L: int):
@@ -24,3 +28,8 @@ def config(d: dict, common: dict, need) -> dict:
                 q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(need("kv_lora_rank")),
                 qk_rope_head_dim=rope_dim, qk_nope_head_dim=int(need("qk_nope_head_dim")),
                 v_head_dim=int(need("v_head_dim")), rope_interleave=bool(d.get("rope_interleave", True)))
+
+
+def mtp_layers(d: dict) -> int:
+    """Multi-token-prediction layers the release stores after the last layer (``model.layers.{L + j}.*``)."""
+    return int(d.get("num_nextn_predict_layers") or 0)

@@ -6,9 +6,11 @@ to those only.
 Read as transformers 5.25 reads it (``DeepseekV32Config``): which layers are dense from ``mlp_layer_types``, else
 the first ``first_k_dense_replace``; MLA's RoPE always interleaved (the class has no ``rope_interleave``), the
 indexer's rotate-half; the class's defaults where config.json leaves a field out. The multi-token-prediction layer
-the release stores after the last one (``num_nextn_predict_layers``: ``model.layers.{L}.*``) is not needed to
-decode: transformers drops it at load, convert reports its tensors as not read."""
+the release stores after the last one (``num_nextn_predict_layers``: ``model.layers.{L}.*``, with its own indexer) is
+read by convert into the store's ``mtp/`` part and drafts for ``--speculative mtp`` (runtime/model/mtp.py; transformers
+drops it at load)."""
 from . import deepseek_v3, moe_layers_of
+from .deepseek_v3 import mtp_layers  # noqa: F401 - DeepSeek-V3's MTP layout
 
 # DeepseekV32Config's defaults for the fields that shape the model, where config.json has no such key (a saved
 # config carries them all)

@@ -2,7 +2,9 @@
 RMSNorm (``use_qk_norm``), RoPE on the first ``partial_rotary_factor`` (0.5) of each head;
 DeepSeek-V3's router (sigmoid + correction bias + group-limited top-k + routed scaling), shared
 experts, dense first layers (``first_k_dense_replace``). The multi-token-prediction layers
-(``num_nextn_predict_layers``, stored after the last layer) are not needed for decoding and are not read."""
+(``num_nextn_predict_layers``, stored after the last layer in DeepSeek-V3's layout) are read by convert into the
+store's ``mtp/`` part and draft for ``--speculative mtp`` (runtime/model/mtp.py)."""
+from .deepseek_v3 import mtp_layers  # noqa: F401 - DeepSeek-V3's MTP layout
 
 PARTIAL_ROTARY = True
 

@@ -23,7 +23,8 @@ PARTIAL_ROTARY = True
 def language_model(d: dict) -> dict:
     """The released Qwen3.5-MoE checkpoints are multimodal (``qwen3_5_moe``): the language model's
     config is ``text_config`` and its tensors live under ``model.language_model.``; the vision tower
-    (``model.visual.``) and the multi-token-prediction head (``mtp.``) are not read."""
+    (``model.visual.``) is not read. The multi-token-prediction head (``mtp.``: ``mtp_layers`` below) is read by
+    convert into the store's ``mtp/`` part for ``--speculative mtp`` (runtime/model/mtp.py)."""
     if d.get("model_type") != "qwen3_5_moe":
         return d
     if not isinstance(d.get("text_config"), dict):
@@ -78,3 +79,21 @@ def linear_names(cfg: MoEConfig, layer: int) -> dict:
     out.update({p + "conv1d.weight": (conv, 1, W), p + "dt_bias": (Hv,), p + "A_log": (Hv,), p + "norm.weight": (Dv,),
                 p + "out_proj.weight": (D, Hv * Dv)})
     return out
+
+
+# The multi-token-prediction head (``mtp_num_hidden_layers``; vLLM's qwen3_next_mtp.py): ``mtp.fc`` (our eh_proj) over
+# concat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(h)), full-attention MoE decoder layers ``mtp.layers.{j}.*``,
+# ``mtp.norm`` before the model's lm_head (no head or embedding of its own); every norm a (1 + weight) one. vLLM
+# chains the output after ``mtp.norm`` into the next draft (DeepSeek's chains it before shared_head.norm).
+MTP_PARTS = {"eh_proj.weight": "fc.weight", "enorm.weight": "pre_fc_norm_embedding.weight",
+             "hnorm.weight": "pre_fc_norm_hidden.weight", "shared_head.norm.weight": "norm.weight"}
+MTP_CHAIN_NORMED = True
+
+
+def mtp_layers(d: dict) -> int:
+    return int(d.get("mtp_num_hidden_layers", d.get("num_nextn_predict_layers")) or 0)
+
+
+def mtp_name(j: int, part: str) -> str:
+    """The release's name of MTP layer j's tensor ``part`` (our name below ``model.layers.{L + j}.``)."""
+    return "mtp." + MTP_PARTS[part] if part in MTP_PARTS else f"mtp.layers.{j}.{part}"

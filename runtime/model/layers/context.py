@@ -28,6 +28,9 @@ class StepHooks:
     # only their last token's; token_logits(seq, first row, logits [rows, vocab]) hears them, a few rows at a time
     every_token: tuple = ()
     token_logits: "Optional[Callable]" = None
+    # speculative decoding's drafters that read the target's hidden states (MTP): token_hidden(seq, first row,
+    # hidden [rows, hidden]) hears every sequence's rows after the final norm (vLLM's convention for MTP)
+    token_hidden: "Optional[Callable]" = None
 
 
 NO_HOOKS = StepHooks()

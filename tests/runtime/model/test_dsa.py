@@ -146,8 +146,9 @@ def test_scores_in_blocks_of_rows_pick_the_same(dsa, monkeypatch):
 
 
 def test_mtp_layer_reported_not_read(dsa, tmp_path):
-    """The release stores its multi-token-prediction layer after the last one (num_nextn_predict_layers):
-    transformers drops it at load; convert reports it and stores what it stores without it."""
+    """The release stores its multi-token-prediction layer after the last one (num_nextn_predict_layers). A layer
+    shipped only in part (here two of its tensors) cannot draft: convert reports it unread and stores the model
+    without it (a whole one is kept for --speculative mtp: tests/runtime/model/test_mtp.py)."""
     name, ref, d, _ = dsa
     hf = str(tmp_path / "hf")
     shutil.copytree(os.path.join(d, "hf"), hf)
