@@ -86,3 +86,28 @@ def feed(model, seqs: list, chunks: list, hooks=None):
         _MANAGERS[model.kv] = mgr
     mgr.prepare(seqs, chunks)
     return model.forward(seqs, chunks, hooks if hooks is not None else StepHooks())
+
+
+# Chi-square tests on sampled tokens (speculative decoding keeps the target's distribution).
+def chi2_p(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df / 2, stat / 2)."""
+    import torch
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def two_sample_p(a: list, b: list, min_count: int = 5) -> float:
+    """Two-sample chi-square test of two lists of tokens (categories with fewer than ``min_count`` in both pooled)."""
+    import torch
+    cats = sorted(set(a) | set(b))
+    ca = torch.tensor([a.count(c) for c in cats], dtype=torch.float64)
+    cb = torch.tensor([b.count(c) for c in cats], dtype=torch.float64)
+    small = (ca + cb) < min_count
+    if bool(small.any()):
+        ca = torch.cat([ca[~small], ca[small].sum()[None]])
+        cb = torch.cat([cb[~small], cb[small].sum()[None]])
+    na, nb = ca.sum(), cb.sum()
+    tot = ca + cb
+    keep = tot > 0
+    stat = float((((ca * (nb / na).sqrt() - cb * (na / nb).sqrt()) ** 2)[keep] / tot[keep]).sum())
+    return chi2_p(stat, int(keep.sum()) - 1)

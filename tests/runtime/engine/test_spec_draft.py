@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import require
+from helpers import require, two_sample_p
 
 from runtime.engine import Engine, SamplingParams
 from runtime.engine.request import Request, distribution
@@ -277,23 +277,6 @@ def test_engine_greedy_outputs_are_the_plain_ones(target, small, which):
     assert left == (0, 0)
 
 
-def _two_sample_p(a: list, b: list, min_count: int = 5) -> float:
-    """Two-sample chi-square test of two lists of tokens (categories with fewer than ``min_count`` pooled): the
-    p-value, from the regularized upper incomplete gamma Q(df / 2, stat / 2)."""
-    cats = sorted(set(a) | set(b))
-    ca = torch.tensor([a.count(c) for c in cats], dtype=torch.float64)
-    cb = torch.tensor([b.count(c) for c in cats], dtype=torch.float64)
-    small = (ca + cb) < min_count
-    if bool(small.any()):
-        ca = torch.cat([ca[~small], ca[small].sum()[None]])
-        cb = torch.cat([cb[~small], cb[small].sum()[None]])
-    na, nb, tot = ca.sum(), cb.sum(), ca + cb
-    stat = float(((ca * (nb / na).sqrt() - cb * (na / nb).sqrt()) ** 2 / tot).sum())
-    df = len(tot) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def test_sampled_outputs_keep_their_distribution_with_a_draft_model(target, near):
     """Sampled (SAMPLED: seeds, temperature, top-k), the tokens after the first - verified against a near draft
     model's q (most drafts kept, some not) - are distributed as without speculation (a two-sample chi-square test
@@ -318,4 +301,4 @@ def test_sampled_outputs_keep_their_distribution_with_a_draft_model(target, near
     got, drafted, accepted = run(SpecOptions("draft", 3, rule="fixed", draft_model=near))
     assert 0 < accepted < drafted                        # kept and rejected drafts both judged
     for j in range(1, 4):
-        assert _two_sample_p([o[j] for o in plain], [o[j] for o in got]) > 1e-3, f"position {j}"
+        assert two_sample_p([o[j] for o in plain], [o[j] for o in got]) > 1e-3, f"position {j}"

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from helpers import chi2_p, two_sample_p
 
 from runtime.engine import Engine, SamplingParams
 from runtime.engine import spec_step
@@ -24,12 +25,6 @@ _spec.loader.exec_module(fixtures)
 ALPHA = 1e-3          # a test below this p-value says "not the same distribution"
 
 
-def chi2_p(stat: float, df: int) -> float:
-    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df / 2, stat / 2)."""
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def gof_p(counts: torch.Tensor, p: torch.Tensor) -> float:
     """Chi-square goodness of fit of ``counts`` to probabilities ``p`` (categories with p > 0)."""
     n = counts.sum()
@@ -38,22 +33,6 @@ def gof_p(counts: torch.Tensor, p: torch.Tensor) -> float:
         return 0.0                       # a token of probability 0 was emitted
     e = n * p[keep]
     stat = float(((counts[keep] - e) ** 2 / e).sum())
-    return chi2_p(stat, int(keep.sum()) - 1)
-
-
-def two_sample_p(a: list, b: list, min_count: int = 5) -> float:
-    """Two-sample chi-square test of two lists of tokens (categories with fewer than ``min_count`` in both pooled)."""
-    cats = sorted(set(a) | set(b))
-    ca = torch.tensor([a.count(c) for c in cats], dtype=torch.float64)
-    cb = torch.tensor([b.count(c) for c in cats], dtype=torch.float64)
-    small = (ca + cb) < min_count
-    if bool(small.any()):
-        ca = torch.cat([ca[~small], ca[small].sum()[None]])
-        cb = torch.cat([cb[~small], cb[small].sum()[None]])
-    na, nb = ca.sum(), cb.sum()
-    tot = ca + cb
-    keep = tot > 0
-    stat = float((((ca * (nb / na).sqrt() - cb * (na / nb).sqrt()) ** 2)[keep] / tot[keep]).sum())
     return chi2_p(stat, int(keep.sum()) - 1)
 
 
