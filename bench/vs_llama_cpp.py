@@ -26,11 +26,11 @@ How:
   (loaded into the device tier before timing, LRU, no prefetch), 8-token prompts (prefill_chunk 8), 32
   new tokens; the engine is stepped by hand: decode tokens/s = tokens produced after the step where
   every request had its first token / the time since that step (prefill timed apart). A warm-up run,
-  then the best of two. The 4-bit stores run twice: at the CLI's defaults (DEFAULTS: 8-bit activations,
-  as llama.cpp computes Q4_0 and MXFP4; dense weights as stored), and "fast", the llama.cpp-like setting
-  (FAST): --host-act-quant q8 with --dense-quant matching the GGUF's dense
-  weights (Q4_0 file: int4, the head int8 where llama.cpp has Q6_K; MXFP4_MOE file: int8, as its Q8_0;
-  experts-only files: none, so they run once). The ratio takes our better one.
+  then the best of two, at the CLI's defaults (DEFAULTS: 8-bit activations, as llama.cpp computes Q4_0 and
+  MXFP4; --dense-quant auto: the dense weights as the store records). Each store holds what its GGUF holds:
+  the stores paired with stock Q4_0 / MXFP4_MOE are converted with `--dense-quant int4` / `int8` (STORE_DENSE:
+  llama-quantize makes their attention Q4_0 / Q8_0; our head int8 where Q4_0's is Q6_K), the experts-only files'
+  stores (`int4-x`, `mxfp4-x`) without (dense bf16, as the checkpoint).
 - Interleaved: each rep runs every configuration, llama.cpp and ours alternating which goes first;
   the best of --reps kept per side.
 - Memory bandwidth: STREAM-like copy (read + write bytes) and read-only sum of a 512 MB float32
@@ -129,29 +129,30 @@ def attention_desc(c: dict) -> str:
                 f"rotary {c['qk_rope_head_dim']}, v {c['v_head_dim']}, q LoRA {c.get('q_lora_rank') or 'none'}")
     return f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads of {c['head_dim']}"
 BATCHES, THREADS = (1, 8), (1, 2)
-# 4-bit stores run a second, llama.cpp-like setting: 8-bit activations (--host-act-quant q8) and the dense
-# weights quantized at load as the GGUF holds them (--dense-quant): stock Q4_0 has Q4_0 attention (the head
-# Q6_K; ours int8), MXFP4_MOE has Q8_0 attention and head; the experts-only files keep them bf16, as stored.
-FAST = {"int4": ("q8", "int4"), "mxfp4": ("q8", "int8")}
+# The dense weights our store records at convert (--dense-quant), as the paired GGUF holds them: stock Q4_0 has
+# Q4_0 attention (the head Q6_K; ours int8), MXFP4_MOE Q8_0 attention and head; the experts-only files keep them
+# bf16, and so do their stores. (Before, these ran as a second "fast" setting with --dense-quant given by hand.)
+STORE_DENSE = {"int4": "int4", "mxfp4": "int8"}
 
 
-# Our side's default run: what `tiered-moe generate` / `serve` use (8-bit activations for 4-bit and 8-bit weights
-# since issue 30, dense weights as stored); --host-act-quant none is the exact path.
-DEFAULTS = ("q8", "none")
+# Our side's run: what `tiered-moe generate` / `serve` use - 8-bit activations for 4-bit and 8-bit weights since
+# issue 30, the dense weights as the store records (auto); --host-act-quant none is the exact path.
+DEFAULTS = ("q8", "auto")
 
 
 def ours_best(r: dict) -> float:
-    """Our best setting of a configuration: the defaults, or the llama.cpp-like one where measured."""
+    """Our rate of a configuration (the defaults; results of older runs also had a hand-set "fast" one)."""
     return max(r["ours"], r.get("ours_fast", 0.0))
 
 
 def stores(hf: str, work: str, shape: str, formats: list) -> dict:
     out = {}
     for f in formats:
-        store = os.path.join(work, f"{shape}-store-{FORMATS[f][1] or 'bf16'}")
+        dq = STORE_DENSE.get(f)
+        store = os.path.join(work, f"{shape}-store-{FORMATS[f][1] or 'bf16'}" + (f"-dense-{dq}" if dq else ""))
         if not Manifest.current(store):
-            log(f"{shape}: tiered-moe convert {f} -> {store}")
-            convert(hf, store, quantize=FORMATS[f][1])
+            log(f"{shape}: tiered-moe convert {f}{f' --dense-quant {dq}' if dq else ''} -> {store}")
+            convert(hf, store, quantize=FORMATS[f][1], dense_quant=dq)
         out[f] = store
     return out
 
@@ -322,9 +323,7 @@ def run_pairs(bindir: str, items: list, reps: int) -> dict:
             for b in BATCHES:
                 for t in THREADS:
                     key = (shape, fmt, b, t)
-                    # 4-bit stores run twice on our side: at the CLI's defaults (DEFAULTS) and FAST's
-                    # llama.cpp-like setting (once where the two are the same: the experts-only files)
-                    sides = ("ours", "ours_fast") if FAST.get(fmt, DEFAULTS) != DEFAULTS else ("ours",)
+                    sides = ("ours",)
                     cur = best.setdefault(key, {"llama": 0.0, "llama_runs": [], **{x: 0.0 for x in sides},
                                                 **{x + "_runs": [] for x in sides}})
                     order = ("llama",) + sides if (rep + idx) % 2 == 0 else sides + ("llama",)
@@ -333,8 +332,7 @@ def run_pairs(bindir: str, items: list, reps: int) -> dict:
                             r, bs = llama_rate(bindir, gguf, b, t)
                             build = bs or build
                         else:
-                            r, cur[side + "_dense_bytes"] = ours_rate(
-                                store, b, t, *(FAST[fmt] if side == "ours_fast" else DEFAULTS))
+                            r, cur[side + "_dense_bytes"] = ours_rate(store, b, t, *DEFAULTS)
                         cur[side] = max(cur[side], r)
                         cur[side + "_runs"].append(r)
                         log(f"rep {rep} {shape} {fmt} batch {b} threads {t} {side}: {r:.1f} tok/s")
@@ -363,7 +361,9 @@ def report_head(a, meta: dict, formats: list) -> list:
          f"every expert resident, tokens after every sequence's first token / the time since. Best of {a.reps} "
          f"interleaved reps per side (every run is in the .json). Pairs: "
          + "; ".join(f"{FORMATS[f][0]}{' (experts only, the rest bf16)' if f in EXPERTS_ONLY else ''} vs our "
-                     f"{FORMATS[f][1] or 'bf16'} store" for f in formats) + ".\n\n"]
+                     f"{FORMATS[f][1] or 'bf16'} store"
+                     + (f" (converted with --dense-quant {STORE_DENSE[f]})" if f in STORE_DENSE else "")
+                     for f in formats) + ".\n\n"]
 
 
 def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> list:
@@ -373,14 +373,13 @@ def report(a, best: dict, bw: dict, meta: dict, shapes: list, formats: list) -> 
         L += [f"## {s}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers ({moe_layers(c)} with experts) x "
               f"{n_experts(c)} experts top-{c['num_experts_per_tok']}, expert width {expert_width(c)}, "
               f"{attention_desc(c)}, vocab {c['vocab_size']}\n\n",
-              "| weights | batch | threads | llama.cpp tok/s | tiered-moe defaults tok/s | tiered-moe fast tok/s "
-              "| best tiered-moe / llama.cpp |\n", "|---|---|---|---|---|---|---|\n"]
+              "| weights | batch | threads | llama.cpp tok/s | tiered-moe tok/s (defaults) | tiered-moe / llama.cpp |\n",
+              "|---|---|---|---|---|---|\n"]
         for f in formats:
             for b in BATCHES:
                 for t in THREADS:
                     r = best[(s, f, b, t)]
-                    q8 = f"{r['ours_fast']:.1f}" if "ours_fast" in r else "-"
-                    L.append(f"| {FORMATS[f][0]} / {f} | {b} | {t} | {r['llama']:.1f} | {r['ours']:.1f} | {q8} | "
+                    L.append(f"| {FORMATS[f][0]} / {f} | {b} | {t} | {r['llama']:.1f} | {r['ours']:.1f} | "
                              f"{ours_best(r) / r['llama']:.2f} |\n")
         L.append("\nScaling (tiered-moe; llama.cpp in brackets):\n\n")
         for f in formats:
@@ -407,8 +406,8 @@ def bandwidth_section(best, bw, meta, shapes, formats) -> list:
          "count. Ours: bytes of one expert's blob as stored (more where the runtime computes from widened or "
          "dequantized copies); llama.cpp: routed parameters x bits per weight (BF16 16, Q4_0 4.5, MXFP4 "
          "4.25). \"All weights\": the routed experts plus every other projection the token reads (attention, "
-         "routers, the head) as each side holds them in its best setting (ours: --dense-quant where that was the "
-         "faster run; llama.cpp: the GGUF's tensor bytes, the token embedding excluded) - the bytes decode is "
+         "routers, the head) as each side holds them (ours: as the store records, --dense-quant auto; llama.cpp: "
+         "the GGUF's tensor bytes, the token embedding excluded) - the bytes decode is "
          "bound by.\n\n",
          "| shape | weights | ours expert MB/token | ours tok/s | ours expert GB/s | of read BW | ours all weights GB/s "
          "| of read BW | llama.cpp expert MB/token | llama.cpp tok/s | llama.cpp expert GB/s | of read BW "

@@ -129,10 +129,11 @@ def _add_hybrid_args(p, live: bool = True) -> None:
                             "rounding (slower). bf16 weights (experts and dense): q8 also rounds the rows of "
                             "prefill-size products to bf16 for a bf16 matmul (llama.cpp's way for BF16 weights); "
                             "decode's few rows stay float32 either way")
-        p.add_argument("--dense-quant", default="none", choices=["none", "int8", "int4"],
+        p.add_argument("--dense-quant", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="non-expert projections (attention, dense MLPs, shared experts, the head) quantized at load "
                             "for the CPU kernels: int8 (group 32, as llama.cpp's Q8_0) or int4 (group 32; the head "
-                            "int8), a quarter or an eighth of their float32 bytes; default none (as stored)")
+                            "int8), a quarter or an eighth of their float32 bytes; none: as the checkpoint has them; "
+                            "auto (default): what 'convert --dense-quant' recorded in the store, else none")
         p.add_argument("--profile", default=None, help="hardware profile of those decisions (default: cpu without "
                                                        "CUDA, h200 with it), or a profile JSON file")
 
@@ -305,6 +306,11 @@ def _convert(sub, commands: dict) -> None:
     c.add_argument("--quantize", choices=_QuantizeChoices(), default=None, metavar="FORMAT",
                    help="quantize the experts of a float checkpoint to FORMAT: %(choices)s (shipped quantized "
                         "checkpoints are read as they are)")
+    c.add_argument("--dense-quant", choices=["none", "int8", "int4"], default=None,
+                   help="record in the store that its non-expert projections run quantized (int8 or int4, group 32; "
+                        "the head int8) - what generate / serve then do by default (--dense-quant auto), as "
+                        "llama.cpp's Q4_0 quantizes attention too; the store keeps them as the checkpoint has them "
+                        "(quantized at load), so --dense-quant none still runs them exact. Default: not recorded (none)")
     c.set_defaults(func=commands['convert'])
 
 
@@ -380,8 +386,9 @@ def _plan(sub, commands: dict) -> None:
                                                         "runtime itself takes (Python and torch, ~0.4 GB) (default: "
                                                         "what this machine has available now, a cgroup limit "
                                                         "included)")
-    pl.add_argument("--dense-quant", default="none", choices=["none", "int8", "int4"],
-                    help="with --gpus 0: the dense weights counted as generate --dense-quant keeps them")
+    pl.add_argument("--dense-quant", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="with --gpus 0: the dense weights counted as generate --dense-quant keeps them (auto: as the "
+                         "store records)")
     pl.add_argument("--context", type=int, required=True, help="tokens of context per sequence")
     pl.add_argument("--batch", type=int, required=True, help="sequences at once")
     pl.add_argument("--profile", default="h200", help="hardware profile with a multi_gpu section (default h200)")

@@ -130,7 +130,7 @@ def cmd_plan(a) -> int:
 
 
 def cmd_convert(a) -> int:
-    rep = convert(a.model, a.out, progress=sys.stderr.isatty(), quantize=a.quantize)
+    rep = convert(a.model, a.out, progress=sys.stderr.isatty(), quantize=a.quantize, dense_quant=a.dense_quant)
     m = Manifest.read(a.out)
     print(f"wrote {a.out}: {m.num_layers} MoE layers x {m.num_experts} experts, {m.blob_bytes:,} bytes per expert "
           f"({m.num_layers * m.num_experts * m.blob_stride / 2**20:.1f} MiB of expert files) + dense.safetensors; "
@@ -165,7 +165,7 @@ def _runtime_config(a, max_active="args"):
                              prefix_caching=not getattr(a, "no_prefix_caching", False),
                              prefix_snapshots=getattr(a, "prefix_snapshots", None),
                              profile=a.profile, host_act_quant=getattr(a, "host_act_quant", "q8"),
-                             dense_quant=getattr(a, "dense_quant", "none"),
+                             dense_quant=getattr(a, "dense_quant", "auto"),
                              tensor_parallel=getattr(a, "tensor_parallel", 1),
                              pipeline_parallel=getattr(a, "pipeline_parallel", 1), speculative=spec_options(a))
     except ValueError as e:

@@ -20,7 +20,7 @@ from .engine.speculative import SpecOptions
 from .kernels.moe import ACT_QUANT
 from .model import load_model
 from .model.config import MoEConfig
-from .model.layers.dense import DENSE_QUANT
+from .model.layers.dense import DENSE_QUANT_CHOICES
 from .parallel.shard import Shard, plan, rank_manifest, shared_pick_cuts
 from .store import Manifest
 
@@ -46,7 +46,8 @@ class RuntimeConfig:
     profile: "str | None" = None         # hardware profile of the cost decisions (default: cpu / h200)
     host_act_quant: str = "q8"           # q8 | none: quantized experts on the CPU dot 8-bit activations (runtime/kernels;
                                          # llama.cpp's default); none: exact float activations
-    dense_quant: str = "none"            # none | int8 | int4: non-expert projections quantized at load (layers/dense.py)
+    dense_quant: str = "auto"            # auto | none | int8 | int4: non-expert projections quantized at load
+                                         # (layers/dense.py); auto: as the store's convert --dense-quant recorded
     tensor_parallel: int = 1             # ranks that split every expert and the attention heads (runtime/parallel)
     pipeline_parallel: int = 1           # stages of consecutive layers (x tensor_parallel ranks each)
     prefix_caching: bool = True          # reuse the KV blocks of cached prompt prefixes (runtime/engine/kv_manager.py)
@@ -85,8 +86,8 @@ class RuntimeConfig:
             load_profile(self.profile)
         if self.host_act_quant not in ACT_QUANT:
             raise ValueError(f"--host-act-quant {self.host_act_quant!r}: use {' or '.join(ACT_QUANT)}")
-        if self.dense_quant not in DENSE_QUANT:
-            raise ValueError(f"--dense-quant {self.dense_quant!r}: use {', '.join(DENSE_QUANT)}")
+        if self.dense_quant not in DENSE_QUANT_CHOICES:
+            raise ValueError(f"--dense-quant {self.dense_quant!r}: use {', '.join(DENSE_QUANT_CHOICES)}")
         if self.prefix_snapshots is not None and (not isinstance(self.prefix_snapshots, int) or self.prefix_snapshots < 0):
             raise ValueError(f"--prefix-snapshots must be a non-negative integer, got {self.prefix_snapshots!r}")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:

@@ -35,6 +35,7 @@ from .model.convert import ShippedQuant
 from .model import compute_dtype_for
 from .model.footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, dense_bytes, dense_kept_bytes,  # noqa: F401
                               device_memory, host_budget_auto, host_margin, host_memory_available, stage_tensors)
+from .model.layers.dense import resolve_dense_quant
 from .model.moe import dense_tensors
 from .parallel.shard import Shard, allreduces_per_layer, plan, rank_manifest, shard_dense, stage_layers
 from .quant import cost_dtype, get_format
@@ -246,7 +247,7 @@ def _trace_for(store_dir: str, cfg, m, trace) -> tuple:
 
 
 def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" = None,
-             probe_disk: bool = True, dense_quant: str = "none") -> dict:
+             probe_disk: bool = True, dense_quant: str = "auto") -> dict:
     """A machine without a GPU (``--gpus 0``): one memory. What ``--host-budget auto`` gives the experts
     (load_model's own sum, footprint.host_budget_auto): the memory available (``memory``, else this
     machine's: MemAvailable or a cgroup limit's room) less the dense weights as kept (footprint.dense_kept_bytes:
@@ -257,6 +258,7 @@ def plan_cpu(store_dir: str, *, context: int, batch: int, memory: "int | None" =
     if context < 1 or batch < 1:
         raise ValueError("--context and --batch must be positive")
     cfg, m = MoEConfig.from_hf(store_dir), Manifest.read(store_dir)
+    dense_quant = resolve_dense_quant(dense_quant, m.extra)
     shapes = dense_shapes(store_dir)
     dtype = compute_dtype_for(shapes["model.embed_tokens.weight"].dtype, "cpu")
     dense, cache = dense_kept_bytes(shapes, dtype, dense_quant), cache_bytes(cfg, dtype, context, batch)

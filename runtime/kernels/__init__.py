@@ -30,6 +30,9 @@ wrappers here raise ``KernelError`` naming the entry point and the code. Callers
 struct per call (from a template, ``Structure.from_buffer_copy``) and take their scratch from a
 per-thread pool (``scratch``), so two threads calling one layer do not share either.
 
+``TIERED_MOE_KERNEL_CFLAGS`` adds compiler flags to a build made here (cached apart; shipped builds are not
+used then), e.g. ``-DPFH=_MM_HINT_NTA`` for bench/prefetch_hint.py's A/B.
+
 ``TIERED_MOE_KERNEL_SANITIZE=1`` builds (and caches apart) an AddressSanitizer + UBSan library for
 tests/kernels_sanitize.sh; python must then run with ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``,
 as an instrumented library cannot load into an uninstrumented process otherwise."""
@@ -155,7 +158,8 @@ def _sanitize() -> bool:
 def _build(cc: str, flags: set, extra: list) -> str:
     """Compile moe_cpu.c unless a build of this source, these flags and this CPU is cached; the path."""
     src = source_bytes()
-    extra = extra + (SANITIZE_FLAGS if _sanitize() else [])     # after FLAGS: its -O1 wins
+    # after FLAGS: its -O1 wins; TIERED_MOE_KERNEL_CFLAGS: extra flags for an A/B (bench/prefetch_hint.py)
+    extra = extra + _extra_cflags() + (SANITIZE_FLAGS if _sanitize() else [])
     key = hashlib.sha256(src + " ".join([cc] + FLAGS + extra + sorted(flags & set(NEEDS))).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"moe_cpu-{key}.so")
     if not os.path.exists(path):
@@ -163,9 +167,14 @@ def _build(cc: str, flags: set, extra: list) -> str:
     return path
 
 
+def _extra_cflags() -> list:
+    return os.environ.get("TIERED_MOE_KERNEL_CFLAGS", "").split()
+
+
 def _prebuilt(isa: str) -> "str | None":
-    """The build of ``isa`` the installed package ships for this source and architecture, if any."""
-    if _sanitize() or os.environ.get("TIERED_MOE_KERNEL_PREBUILT", "1") == "0":
+    """The build of ``isa`` the installed package ships for this source and architecture, if any (none with
+    extra compiler flags asked for: the shipped builds were made without them)."""
+    if _sanitize() or _extra_cflags() or os.environ.get("TIERED_MOE_KERNEL_PREBUILT", "1") == "0":
         return None
     path = os.path.join(PREBUILT_DIR, prebuilt_name(isa, _state.setdefault("key", source_key())))
     return path if os.path.exists(path) else None

@@ -28,12 +28,19 @@
 
 #define AI inline __attribute__((always_inline))
 /* Weights stream from memory once per use: a software prefetch PFD bytes ahead keeps enough lines in
- * flight that one thread reads at close to its memory bandwidth (measured here: 13 -> 28 GB/s on
- * 3.5 MB int4 experts; the hardware prefetcher alone stops short). */
+ * flight that one thread reads at close to its memory bandwidth (the hardware prefetcher alone stops
+ * short). Into L2 (T1), not L1 (NTA): on this project's AMD EPYC machine, 2048 x 2048 int4 x q8 rows from
+ * DRAM at one thread ran 11 GB/s with NTA and 21 GB/s with T1 (int8 11 -> 27, bf16 18 -> 23; decode of the
+ * wide 128-expert shape with --dense-quant int4 19.4 -> 11.3 ms CPU per token; bench/results/prefetch_hint.md).
+ * Our reading, not measured: NTA lines go to L1 and evict the activations and scales the dots reread.
+ * PFH overrides the hint at build (-DPFH=_MM_HINT_NTA for the A/B). */
 #ifndef PFD
 #define PFD 8192
 #endif
-#define PF(p) _mm_prefetch((const char *)(p) + PFD, _MM_HINT_NTA)
+#ifndef PFH
+#define PFH _MM_HINT_T1
+#endif
+#define PF(p) _mm_prefetch((const char *)(p) + PFD, PFH)
 #define BY_R(R, CALL) switch (R) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
 
 

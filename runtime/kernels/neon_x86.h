@@ -36,6 +36,7 @@ typedef struct { int32x4_t lo, hi; } __m256i;
 
 /* ---- hints ---------------------------------------------------------------------------------------- */
 #define _MM_HINT_NTA 0
+#define _MM_HINT_T1 2
 #define _mm_prefetch(p, hint) __builtin_prefetch((const void *)(p), 0, 0)
 TM_SI void _mm_pause(void) { __asm__ __volatile__("yield" ::: "memory"); }
 TM_SI float _cvtsh_ss(uint16_t h) { __fp16 f; memcpy(&f, &h, 2); return (float)f; }

@@ -8,6 +8,7 @@ from ..store.slices import rank_manifest
 from .config import SUPPORTED, MoEConfig
 from .convert import load_dense
 from .dense_slices import shard_dense
+from .layers.dense import resolve_dense_quant
 from .footprint import (GPU_MEMORY_UTILIZATION, cache_bytes, default_cache_tokens, dense_bytes as _dense_bytes,
                         dense_kept_bytes, device_memory, host_budget_auto, host_memory_available, stage_tensors)
 from .moe import MoEModel, Sequence, StepHooks, kv_bytes_per_token, route, state_bytes_per_sequence
@@ -47,7 +48,7 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
                kv_cache_bytes: int = 0, host_budget: "int | None" = None, policy: str = "reuse", scope: str = "global",
                device: "str | None" = None, progress: bool = False, dtype=None, cpu_experts="0",
                profile: "str | None" = None, max_batch: int = 1, host_act_quant: str = "none",
-               dense_quant: str = "none", rank=None):
+               dense_quant: str = "auto", rank=None):
     """A converted store -> (model, store).
 
     ``device_budget``: the whole device tier - dense weights, the KV cache reservation
@@ -57,14 +58,15 @@ def load_model(store_dir: str, *, device_budget: "int | None" = None, expert_bud
     activations and KV cache are computed in; default the checkpoint's, except float32 for a
     half-precision checkpoint on a CPU (see ``compute_dtype_for``). ``cpu_experts`` (0, N or auto) and
     ``profile``: hybrid execution, see ``ExpertStore``. ``host_act_quant``: none or q8, how 4-bit experts
-    computed on the CPU take their activations (runtime/kernels/moe.py); ``dense_quant``: none, int8 or
-    int4, the non-expert projections quantized at load (runtime/model/layers/dense.py). ``max_batch``: sequences that run at once; a
+    computed on the CPU take their activations (runtime/kernels/moe.py); ``dense_quant``: none, int8, int4
+    (non-expert projections quantized at load: layers/dense.py) or auto (as ``convert --dense-quant`` recorded). ``max_batch``: sequences that run at once; a
     model with linear-attention layers reserves their recurrent state on the device (in
     ``kv_cache_bytes`` when given). ``rank``: a tensor-parallel rank (runtime/parallel/group.py ``Rank``):
     the model and store hold its slice (runtime/parallel/shard.py), and every budget is the rank's."""
     cfg = MoEConfig.from_hf(store_dir)
     m = Manifest.read(store_dir)
     _check_store(store_dir, cfg, m)
+    dense_quant = resolve_dense_quant(dense_quant, m.extra)
     dense = load_dense(store_dir, cfg)
     stored = dense["model.embed_tokens.weight"].dtype       # the checkpoint's dtype (before a stage drops the embedding)
     shard, moe_range = None, None

@@ -29,6 +29,7 @@ import torch
 
 from ..quant import ExpertCodec, quantize_choices, WeightFormat, dense_format_of, expert_weight_specs, get_format
 from ..store.layout import StoreWriter
+from .layers.dense import DENSE_QUANT
 from cache_policy.jsonfile import read_json
 
 from .arch import language_model, module
@@ -485,7 +486,14 @@ def _write_dense(ck: Checkpoint, cfg: MoEConfig, sq: "ShippedQuant", model_dir: 
             shutil.copy(os.path.join(model_dir, f), os.path.join(out_dir, f))
 
 
-def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str | None" = None) -> ConvertReport:
+def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str | None" = None,
+            dense_quant: "str | None" = None) -> ConvertReport:
+    """``model_dir`` (a Hugging Face checkpoint) -> the store ``out_dir``. ``quantize``: the experts of a float
+    checkpoint into that format. ``dense_quant`` (none | int8 | int4): recorded in the manifest's extra as how the
+    non-expert projections run by default (the runtime's --dense-quant auto); their tensors are stored as the
+    checkpoint has them either way."""
+    if dense_quant is not None and dense_quant not in DENSE_QUANT:
+        raise ValueError(f"--dense-quant {dense_quant!r} is not supported; choose one of {', '.join(DENSE_QUANT)}")
     cfg = MoEConfig.from_hf(model_dir)
     raw_cfg = read_json(os.path.join(model_dir, "config.json"))
     qc = raw_cfg.get("quantization_config")
@@ -508,7 +516,8 @@ def convert(model_dir: str, out_dir: str, progress: bool = False, quantize: "str
         raise ValueError(f"{model_dir}: {e}") from None
     writer = StoreWriter(out_dir, model=os.path.basename(os.path.abspath(model_dir)), num_layers=cfg.num_moe_layers,
                          num_experts=cfg.num_experts, weights=weights, layer_numbers=cfg.moe_layers,
-                         extra={"model_type": cfg.model_type, "expert_source": source})
+                         extra={"model_type": cfg.model_type, "expert_source": source,
+                                **({"dense_quant": dense_quant} if dense_quant else {})})
     errors = _write_experts(writer, cfg, logical, fmt, shipped, weights, quantize, model_dir, progress)
     man = writer.close()
     _write_dense(ck, cfg, sq, model_dir, out_dir)

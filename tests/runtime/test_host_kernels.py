@@ -293,6 +293,31 @@ def test_shipped_builds_load_without_a_compiler(monkeypatch, tmp_path):
         kernels.reset()
 
 
+def test_extra_compiler_flags_build_apart(monkeypatch, tmp_path):
+    """TIERED_MOE_KERNEL_CFLAGS (bench/hugepages.py --ab prefetch-hint) compiles a library of its own, here, even where
+    a shipped build exists; the prefetch hint it sets changes no result (the old NTA build against the default T1
+    one, an int4 x q8 Linear bit for bit); flags the compiler refuses leave the kernels off with its message."""
+    from runtime.model.layers.dense import Linear
+    if os.environ.get("TIERED_MOE_HOST_ISA") != ISAS[0] or os.environ.get("TIERED_MOE_KERNEL_SANITIZE") == "1":
+        pytest.skip("compiles its own builds: once is enough")
+    if kernels.unavailable() is not None:
+        pytest.skip(f"host kernels unavailable here: {kernels.unavailable()}")
+    g = torch.Generator().manual_seed(3)
+    w, x = (torch.randn(64, 256, generator=g) * 0.05).to(torch.bfloat16), torch.randn(3, 256, generator=g)
+    want = Linear(w, None, torch.float32, "int4", "q8")(x)                  # the default build (prefetch into L2)
+    monkeypatch.setenv("TIERED_MOE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIERED_MOE_KERNEL_CFLAGS", "-DPFH=_MM_HINT_NTA")
+    try:
+        kernels.reset()
+        assert kernels.lib() is not None and kernels.source().startswith(f"compiled here ({tmp_path / 'cache'}")
+        assert torch.equal(Linear(w, None, torch.float32, "int4", "q8")(x), want)
+        monkeypatch.setenv("TIERED_MOE_KERNEL_CFLAGS", "-DPFH=not_a_hint")
+        kernels.reset()
+        assert kernels.lib() is None and "not_a_hint" in kernels.unavailable()
+    finally:
+        kernels.reset()
+
+
 @pytest.mark.parametrize("fmt,params", [("mxfp4", {}), ("int4", {"group": 32, "scale_dtype": "bfloat16"})])
 def test_q8_kernel_takes_a_prompts_rows(fmt, params):
     """With 8-bit activations the kernel computes experts of any row count (prefill at chunk 512 gives an

@@ -29,6 +29,23 @@ from ...quant import get_format
 # Rows up to which the GEMV is used; past them the weight is widened for one BLAS call (prefill).
 GEMV_ROWS = 16
 DENSE_QUANT = ("none", "int8", "int4")
+# "auto" (the runtime's default): as the store says - ``convert --dense-quant`` records its choice in the manifest's
+# extra, as a GGUF file carries its tensors' types; a store without one keeps the checkpoint's dtype ("none")
+DENSE_QUANT_CHOICES = ("auto",) + DENSE_QUANT
+
+
+def resolve_dense_quant(value: str, extra: dict) -> str:
+    """``--dense-quant`` ``value`` for a store whose manifest extra is ``extra``: "auto" -> the store's recorded choice
+    (else "none"); an explicit value wins. ValueError naming the flag for a value not in DENSE_QUANT_CHOICES."""
+    if value not in DENSE_QUANT_CHOICES:
+        raise ValueError(f"--dense-quant {value!r}: use {', '.join(DENSE_QUANT_CHOICES)}")
+    if value != "auto":
+        return value
+    stored = extra.get("dense_quant", "none")
+    if stored not in DENSE_QUANT:
+        raise ValueError(f"the store's manifest records dense_quant {stored!r}, not one of {', '.join(DENSE_QUANT)}: "
+                         f"convert again, or give --dense-quant none|int8|int4")
+    return stored
 # --dense-quant name -> (format, params) of runtime/quant.py
 _QUANT_FORMATS = {"int8": ("int8", {"group": 32, "scale_dtype": "float16"}),
                   "int4": ("int4", {"group": 32, "scale_dtype": "bfloat16"})}

@@ -229,7 +229,7 @@ def test_cli_runtime_flags_reach_the_model(bf16):
     for argv, want in (([], "q8"), (["--host-act-quant", "none"], "none")):
         got = _runtime_config(build_parser().parse_args(["generate", "--model", str(d / "bf16"), "--prompt", "x",
                                                          *argv]))
-        assert (got.host_act_quant, got.dense_quant) == (want, "none")
+        assert (got.host_act_quant, got.dense_quant) == (want, "auto")      # auto: as the store records
     import inspect
     from runtime.model import load_model
     assert inspect.signature(load_model).parameters["host_act_quant"].default == "none"
@@ -239,3 +239,41 @@ def test_cli_runtime_flags_reach_the_model(bf16):
         assert model.executor.kernel.act_quant == "none"       # bf16 experts: q8 is for quantized ones
     finally:
         store.close()
+
+
+def test_a_store_converted_with_dense_quant_runs_it_by_default(bf16, tmp_path):
+    """``convert --dense-quant int4`` records the choice in the manifest (the tensors stay as the checkpoint has
+    them); load_model's default (auto) then runs the dense projections quantized - bit for bit what
+    ``--dense-quant int4`` gives on a plain store -, an explicit --dense-quant none still runs them exact, and the
+    CPU plan counts them as kept. A bad recorded value is refused naming it."""
+    from runtime.cli import build_parser
+    from runtime.model.layers.dense import resolve_dense_quant
+    from runtime.plan import plan_cpu
+    ref, hf, d = bf16
+    store = str(tmp_path / "dq")
+    args = build_parser().parse_args(["convert", "--model", hf, "--out", store, "--dense-quant", "int4"])
+    assert args.func(args) == 0
+    assert Manifest.read(store).extra["dense_quant"] == "int4" and "dense_quant" not in Manifest.read(str(d / "bf16")).extra
+    tokens = list(range(3, 11))
+
+    def run(store_dir, **kw):
+        model, st = load_model(store_dir, **kw)
+        try:
+            s = Sequence()
+            return model.layers[0].attn.o.quant, torch.stack([feed(model, [s], [[t]])[0] for t in tokens])
+        finally:
+            st.close()
+    q_auto, auto = run(store)
+    q_hand, hand = run(str(d / "bf16"), dense_quant="int4")
+    q_none, exact = run(store, dense_quant="none")
+    q_plain, plain = run(str(d / "bf16"))
+    assert (q_auto, q_hand, q_none, q_plain) == ("int4", "int4", "none", "none")
+    assert torch.equal(auto, hand) and torch.equal(exact, plain) and not torch.equal(auto, plain)
+    assert plan_cpu(store, context=64, batch=1, memory=2**30, probe_disk=False)["dense"] == \
+        plan_cpu(str(d / "bf16"), context=64, batch=1, memory=2**30, probe_disk=False, dense_quant="int4")["dense"]
+    with pytest.raises(ValueError, match="records dense_quant 'int3'"):
+        resolve_dense_quant("auto", {"dense_quant": "int3"})
+    with pytest.raises(ValueError, match="--dense-quant 'fp4'"):
+        resolve_dense_quant("fp4", {})
+    with pytest.raises(ValueError, match="--dense-quant 'int2' is not supported"):
+        convert(hf, str(tmp_path / "bad"), dense_quant="int2")
