@@ -77,9 +77,9 @@ class MTPDrafter:
     # every step): past this, its MTP sequence restarts at the last ones
     MAX_PENDING = 2048
 
-    def __init__(self, mtp, cache_tokens: int) -> None:
+    def __init__(self, mtp, cache_tokens: int, state_slots: int = 1) -> None:
         self.mtp = mtp
-        mtp.init_kv(cache_tokens)
+        mtp.init_kv(cache_tokens, state_slots=state_slots)   # state: DeepSeek-V4's window rings, one per request
         self.kv = KVManager.for_cache(mtp.kv)
         self.mirrors: dict = {}                       # target request id -> _Mirror
         self.timing = DraftTiming()
@@ -128,11 +128,13 @@ class MTPDrafter:
         for m in self.mirrors.values():
             self.kv.release(m.seq)
         self.mirrors.clear()
-        self.mtp.experts.close()
+        if self.mtp.experts is not None:              # dense MTP layers (ERNIE 4.5, MiMo-V2-Flash) have none
+            self.mtp.experts.close()
 
     # -- internals -----------------------------------------------------------------------------
     def _take(self, r, end: int, hidden: torch.Tensor) -> None:
         """hidden [rows, hidden]: the target's normed hidden states of positions end - rows .. end - 1."""
+        hidden = self.mtp.target_hidden(r.seq, end, hidden)     # what the MTP layer reads of them (V4: the streams)
         m = self.mirrors.get(r.id)
         if m is None:
             m = self.mirrors[r.id] = _Mirror()
@@ -159,7 +161,8 @@ class MTPDrafter:
         try:
             return self.mtp.forward(seqs, chunks, hidden, hooks=StepHooks(step=self._step))
         finally:
-            self.mtp.experts.end_step()
+            if self.mtp.experts is not None:
+                self.mtp.experts.end_step()
             self._step += 1
             self.timing.forwards += 1
 
@@ -180,6 +183,7 @@ class MTPDrafter:
         ends = torch.cumsum(torch.tensor([len(w.chunk) for w in work]), 0) - 1
         prev, logits = step.hidden[ends], step.logits             # prev: [n, hidden], each chunk's last output
         caught = [w.m.seq.length for w in work]
+        saved = self.mtp.save_state([w.m.seq for w in work])     # the chained drafts write into the state too
         for w in work:
             w.m.pending = []
         live = list(work)
@@ -194,6 +198,7 @@ class MTPDrafter:
                 break
             step = self._forward([w.m.seq for w in live], [[w.tokens[-1]] for w in live], prev)
             prev, logits = step.hidden, step.logits
+        self.mtp.restore_state([w.m.seq for w in work], saved)
         for w, n in zip(work, caught):
             w.m.seq.length = n                        # the chained positions were speculative
             out[w.i] = Draft(w.tokens, None if w.qs[0] is None else torch.stack(w.qs))
@@ -211,7 +216,7 @@ def _mtp(engine, spec: SpecOptions) -> MTPDrafter:
     cap, total = store.capacity_bytes(), store.m.num_layers * store.m.num_experts * store.m.blob_stride
     on_host = all(store.compute_on_host(m) for m in range(store.m.num_layers))    # e.g. a CPU's one memory
     mtp = load_mtp(store.dir, engine.model, device_fraction=cap["device"] / total, on_host=on_host)
-    return MTPDrafter(mtp, engine.kv.num_blocks * engine.kv.block_size)
+    return MTPDrafter(mtp, engine.kv.num_blocks * engine.kv.block_size, state_slots=engine.kv.state_slots or 1)
 
 
 DRAFTERS["mtp"] = _mtp

@@ -536,28 +536,30 @@ def _mtp_shipped(ck: Checkpoint, cfg: MoEConfig, n: int) -> int:
     if not n:
         return 0
     mcfg = mtp_config(cfg, n)
-    for j, i in enumerate(mcfg.moe_layers):
-        p = f"model.layers.{i}."
-        names = [k for k in mtp_dense_tensors(cfg, j + 1) if k.startswith(p)]
-        if not all(ck.has(k) for k in names) or not (ck.has(fused_expert_name(mcfg, i, "gate_up_proj")) or
-                                                     all(ck.has(k) for k in expert_names(mcfg, i, 0).values())):
+    for j, i in enumerate(range(cfg.num_layers, cfg.num_layers + n)):     # a dense MTP layer has no experts
+        names = [k for k in mtp_dense_tensors(cfg, j + 1) if k.startswith(f"model.layers.{i}.")]
+        if not all(ck.has(k) for k in names) or i in mcfg.moe_layers and not (ck.has(fused_expert_name(
+                mcfg, i, "gate_up_proj")) or all(ck.has(k) for k in expert_names(mcfg, i, 0).values())):
             return j
     return n
 
 
 def _write_mtp(ck: Checkpoint, cfg: MoEConfig, n: int, sq: "ShippedQuant", fmt, shipped: bool, weights: list,
                source: str, quantize, model_dir: str, out_dir: str) -> list:
-    """The checkpoint's ``n`` multi-token-prediction layers (``ck`` reads them by our names: mtp.mtp_checkpoint)
-    into the store's mtp/ part (runtime/model/mtp.py): their
-    experts a store of their own in the main store's format (``fmt``, ``shipped``, ``weights``, ``source``), their
-    dense tensors - dequantized like the model's - and the per-layer embedding / head copies that differ from the
-    model's. Returns the quantization errors of a sample of experts."""
+    """The checkpoint's ``n`` multi-token-prediction layers (``ck`` reads them by our names: mtp.mtp_checkpoint) into
+    the store's mtp/ part (runtime/model/mtp.py): their experts (dense MTP layers have none) a store of their own in
+    the main store's format (``fmt``, ``shipped``, ``weights``, ``source``), their dense tensors dequantized like the
+    model's, the per-layer embedding / head copies that differ from the model's. Returns the experts' sampled errors."""
     mcfg, sub = mtp_config(cfg, n), mtp_store_dir(out_dir)
-    writer = StoreWriter(sub, model=os.path.basename(os.path.abspath(model_dir)) + " (MTP)", num_layers=n,
-                         num_experts=cfg.num_experts, weights=weights, layer_numbers=mcfg.moe_layers,
-                         extra={"model_type": cfg.model_type, "expert_source": source, "mtp_of": cfg.num_layers})
-    errors = _write_experts(writer, mcfg, _expert_reader(ck, mcfg, sq), fmt, shipped, weights, quantize, model_dir, False)
-    writer.close()
+    os.makedirs(sub, exist_ok=True)
+    errors = []
+    if cfg.num_layers in mcfg.moe_layers:       # MoE MTP layers (ERNIE 4.5's and MiMo-V2-Flash's are dense)
+        writer = StoreWriter(sub, model=os.path.basename(os.path.abspath(model_dir)) + " (MTP)", num_layers=n,
+                             num_experts=cfg.num_experts, weights=weights, layer_numbers=mcfg.moe_layers,
+                             extra={"model_type": cfg.model_type, "expert_source": source, "mtp_of": cfg.num_layers})
+        errors = _write_experts(writer, mcfg, _expert_reader(ck, mcfg, sq), fmt, shipped, weights, quantize,
+                                model_dir, False)
+        writer.close()
     embed = ck.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     dense = {k: read_dense(ck, k, s, sq, embed.dtype) for k, s in mtp_dense_tensors(cfg, n).items()}
     head = embed if cfg.tie_word_embeddings else read_dense(ck, "lm_head.weight", embed.shape, sq, embed.dtype)

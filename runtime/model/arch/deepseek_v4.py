@@ -11,7 +11,14 @@ The config is read as transformers 5.24 reads it (``DeepseekV4Config.__post_init
 (or ``qk_rope_head_dim``), and ``rope_parameters`` nested as {"main", "compress"} or flat (then the
 compress RoPE is ``compress_rope_theta`` with the flat scaling, YaRN's attention factor 1). Fields the
 reference model does not read either (``norm_topk_prob``: top-k weights are always renormalised;
-``n_shared_experts``: one shared expert; ``num_key_value_heads``: one K=V head) are not read here."""
+``n_shared_experts``: one shared expert; ``num_key_value_heads``: one K=V head) are not read here.
+
+Its multi-token-prediction layers (``num_nextn_predict_layers``: ``mtp.{j}.*`` - enorm, hnorm, e_proj, h_proj, a
+whole V4 block with MoE experts and its hyper-connections, its own hc_head and norm) are read by convert into the
+store's ``mtp/`` part and draft for ``--speculative mtp`` over the target's hyper-connected streams
+(deepseek_v4_mtp.py; runtime/model/mtp.py)."""
+from . import deepseek_v4_mtp
+from .deepseek_v4_mtp import V4MTP
 
 LAYER_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
                "heavily_compressed_attention": "hca"}
@@ -168,3 +175,16 @@ def stored_names(name: str) -> list:
     elif r == "norm.weight":
         saved = "model.norm.weight"
     return [name, r, saved, saved.replace(".attn.kv_norm.", ".attn.norm.")]
+
+
+MTP_SCHEME = V4MTP     # runtime/model/mtp.py: the MTP layer around its block is V4's own (deepseek_v4_mtp.py)
+
+
+def mtp_layers(d: dict) -> int:
+    """Multi-token-prediction layers the release stores as ``mtp.{j}.*`` that this runs."""
+    return deepseek_v4_mtp.mtp_layers(d, released_name)
+
+
+def mtp_name(j: int, part: str) -> str:
+    """Our name of MTP layer j's tensor ``part`` -> the release's (``mtp.{j}.attn.wq_a.weight``...)."""
+    return deepseek_v4_mtp.mtp_name(j, part, released_name)

@@ -2,7 +2,15 @@
 softmax router whose top-k is chosen on the probabilities plus a correction bias
 (``mlp.moe_statics.e_score_correction_bias``, stored [1, E]) and renormalised, shared experts; MoE
 on every ``moe_layer_interval``-th layer from ``moe_layer_start_index`` to ``moe_layer_end_index``.
-The multi-token-prediction layers (``mtp*``) are not read.
+
+Its multi-token-prediction layer (``num_nextn_predict_layers``: 1 in the -PT releases) is read by convert into the
+store's ``mtp/`` part for ``--speculative mtp`` (runtime/model/mtp.py; ``mtp_name`` below maps the release's names):
+``model.mtp_emb_norm.{j}`` / ``mtp_hidden_norm.{j}`` (enorm / hnorm), ``mtp_linear_proj.{j}`` (eh_proj, over
+concat(embeddings, hidden) - embeddings first), ``mtp_block.{j}.*`` a decoder layer whose FFN is a dense MLP of
+intermediate_size (``MTP_MOE``: the release's Paddle model builds it as decoder layer j < moe_layer_start_index,
+transformers' MtpModel / SGLang's ernie4_eagle.py alike), and the model's own final norm ``model.norm`` before the
+head (transformers' ``_keys_shared_with_mtp``; the Paddle model norms every MTP output with it). Its q/k rows are
+reordered as the model's (``mtp_stored``).
 
 The interleaved RoPE needs no change to the forward pass: conversion reorders each q and k head's
 rows (channel pairs (2i, 2i+1) -> (i, i + head_dim / 2)), the same permutation on both, so the
@@ -63,3 +71,31 @@ def convert_dense(cfg: MoEConfig, dense: dict) -> None:
         for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
             name = f"model.layers.{i}.self_attn.{proj}.weight"
             dense[name] = deinterleave_rows(dense[name], heads, cfg.head_dim)
+
+
+# The multi-token-prediction layer (see the docstring). Chaining: transformers' MtpModel hands the next draft the
+# output after the norm (its post_norm, here model.norm), the state the first draft reads of the target too.
+MTP_MOE = False
+MTP_CHAIN_NORMED = True
+MTP_PARTS = {"enorm.weight": "mtp_emb_norm", "hnorm.weight": "mtp_hidden_norm", "eh_proj.weight": "mtp_linear_proj"}
+
+
+def mtp_layers(d: dict) -> int:
+    return int(d.get("num_nextn_predict_layers") or 0)
+
+
+def mtp_name(j: int, part: str) -> str:
+    """The release's name of MTP layer j's tensor ``part`` (our name below ``model.layers.{L + j}.``)."""
+    if part in MTP_PARTS:
+        return f"model.{MTP_PARTS[part]}.{j}.weight"
+    if part == "shared_head.norm.weight":
+        return "model.norm.weight"             # the model's final norm, shared
+    return f"model.mtp_block.{j}.{part}"
+
+
+def mtp_stored(cfg: MoEConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """An MTP tensor as read from the release -> as the store keeps it: q / k rows reordered as convert_dense's."""
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+        return deinterleave_rows(t, heads, cfg.head_dim)
+    return t

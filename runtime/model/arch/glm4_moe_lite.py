@@ -1,9 +1,14 @@
 """GLM-4.7-Flash (``glm4_moe_lite``): DeepSeek-V3's MLA (q LoRA, compressed KV latent, interleaved
 RoPE unless ``rope_interleave`` is false) with GLM-4.5's MoE (sigmoid router with a correction bias,
 group-limited top-k, routed scaling, shared experts); which layers are dense comes from
-``mlp_layer_types`` (transformers' default: the first). The multi-token-prediction layer stored
-after the last layer is not read."""
+``mlp_layer_types`` (transformers' default: the first).
+
+Its multi-token-prediction layer (config.json's ``num_nextn_predict_layers``: 1, a field Glm4MoeLiteConfig lacks;
+stored in DeepSeek-V3's layout as ``model.layers.{L}.*`` - enorm, hnorm, eh_proj, an MLA decoder layer with MoE
+experts, shared_head; transformers skips ``model.layers.47.*`` at load, vLLM's glm4_moe_lite_mtp.py reads it) is read
+by convert into the store's ``mtp/`` part and drafts for ``--speculative mtp`` (runtime/model/mtp.py)."""
 from . import dense_intermediate
+from .deepseek_v3 import mtp_layers  # noqa: F401 - DeepSeek-V3's MTP layout
 
 
 def sliding_layers(d: dict, L: int):

@@ -2,9 +2,18 @@
 indexer's RoPE on interleaved pairs, and layers that share an indexer: a ``"shared"`` layer has none and attends
 to the keys the layer before it picked (``indexer_types``; else transformers' pattern ``index_topk_pattern`` of F /
 S, else the schedule ``index_topk_freq`` / ``index_skip_topk_offset``). GLM-5's defaults where config.json leaves
-a field out (one expert group, 32 indexer heads, rms_norm_eps 1e-5); its multi-token-prediction layer is reported
-as not read, as DeepSeek-V3.2's."""
+a field out (one expert group, 32 indexer heads, rms_norm_eps 1e-5).
+
+Its multi-token-prediction layer (config.json's ``num_nextn_predict_layers``: 1, a field GlmMoeDsaConfig lacks;
+``model.layers.{L}.*`` in DeepSeek-V3's layout, transformers skipping ``model.layers.78.*`` at load) is read by convert
+into the store's ``mtp/`` part and drafts for ``--speculative mtp`` (runtime/model/mtp.py). ``indexer_types`` covers
+the L decoder layers only: the MTP layer runs an indexer of its own (the releases store ``model.layers.{L}.self_attn
+.indexer.*``; vLLM's / SGLang's schedule gives layer L "full" for GLM-5.2's freq 4 / offset 3 too). GLM-5.2's
+``index_share_for_mtp_iteration`` (a serving shortcut: MTP iterations reuse a top-k rather than run the indexer) is
+not followed: every MTP forward runs the layer's own indexer - drafts may differ, the target's verification keeps the
+output exact."""
 from . import hf_defaults
+from .deepseek_v3 import mtp_layers  # noqa: F401 - DeepSeek-V3's MTP layout
 from .deepseek_v32 import DEFAULTS as V32_DEFAULTS, dsa_config
 
 DEFAULTS = {**V32_DEFAULTS, "n_group": 1, "topk_group": 1, "q_lora_rank": 2048, "index_n_heads": 32}

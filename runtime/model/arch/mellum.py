@@ -2,8 +2,15 @@
 ``attention_bias``) with sliding-window layers (``layer_types``) and a RoPE per layer type - ``rope_parameters``
 keyed by ``full_attention`` / ``sliding_attention`` (defaults: theta 5e5 / 1e4): the full layers' RoPE is the model's
 (default or YaRN), the sliding layers' a default RoPE of their own theta (``sliding_rope_theta``) -; softmax ->
-top-k (renormalised with ``norm_topk_prob``), dense layers from ``mlp_layer_types``. The multi-token-prediction
-layers (``mtp.``) are not read."""
+top-k (renormalised with ``norm_topk_prob``), dense layers from ``mlp_layer_types``.
+
+Its multi-token-prediction layer (``num_nextn_predict_layers`` / transformers' ``num_mtp_layers``: at most one, of
+the attention kind ``mtp_layer_types`` names - sliding by default, with the sliding layers' window and RoPE - and a
+sparse FFN, ``mtp_mlp_layer_types``) is stored as Qwen3-Next's is: ``mtp.fc`` (our eh_proj),
+``mtp.pre_fc_norm_embedding`` / ``_hidden`` (enorm / hnorm), the decoder layer ``mtp.layers.0.*``, ``mtp.norm``
+(shared_head.norm) before the model's lm_head (transformers' MtpModel and its Mellum renames in conversion_mapping.py); convert reads it into the store's
+``mtp/`` part for ``--speculative mtp`` (runtime/model/mtp.py). Plain RMSNorms (no 1 + weight); the next draft reads
+the output after ``mtp.norm``, as transformers' MtpModel chains it. A dense MTP layer is left unread."""
 from . import dense_intermediate, hf_defaults, moe_layers_of, typed_sliding
 
 KINDS = ("full_attention", "sliding_attention")
@@ -36,9 +43,36 @@ def config(d: dict, common: dict, need) -> dict:
         raise ValueError(f"{src}: mellum's sliding-layer RoPE {slide!r} is not supported (a default RoPE over the "
                          f"whole head is)")
     theta = float(slide.get("rope_theta", DEFAULT_THETA["sliding_attention"]))
-    own = sliding_layers(d, L) and (theta != common["rope_theta"] or common["rope_scaling"])
+    window = int(d.get("sliding_window") or 0)
+    mtp_slides = bool(window and mtp_layers(d) and _mtp_kind(d) == "sliding_attention")
+    if mtp_slides:   # the MTP layer (model layer L: runtime/model/mtp.py's mtp_config) has the sliding window and RoPE
+        common.update(sliding_window=window, sliding_layers=list(common.get("sliding_layers") or []) + [L])
+    own = (sliding_layers(d, L) or mtp_slides) and (theta != common["rope_theta"] or common["rope_scaling"])
     moe = moe_layers_of(d, L, src, 0)
     bias = bool(d.get("attention_bias", False))
     return dict(dense_intermediate=dense_intermediate(moe, L, need), expert_intermediate=int(need("moe_intermediate_size")),
                 moe_layers=moe, norm_topk_prob=bool(d.get("norm_topk_prob", True)), qk_norm="head", qkv_bias=bias,
                 o_bias=bias, sliding_rope_theta=theta if own else 0.0)
+
+
+# -- multi-token prediction (transformers' MtpModel over MellumDecoderLayer; conversion_mapping.py's Mellum layout) ---
+MTP_PARTS = {"eh_proj.weight": "fc.weight", "enorm.weight": "pre_fc_norm_embedding.weight",
+             "hnorm.weight": "pre_fc_norm_hidden.weight", "shared_head.norm.weight": "norm.weight"}
+MTP_CHAIN_NORMED = True         # transformers' MtpModel feeds the next draft the layer's output after mtp.norm
+
+
+def _mtp_kind(d: dict) -> str:
+    return (d.get("mtp_layer_types") or ["sliding_attention"])[0]
+
+
+def mtp_layers(d: dict) -> int:
+    """1 where the release has the one MTP layer transformers' MellumConfig allows, with a sparse FFN and an attention
+    kind Mellum has; else 0 (its ``mtp.*`` tensors are then reported unread)."""
+    n = int(d.get("num_nextn_predict_layers") or d.get("num_mtp_layers") or 0)
+    sparse = (d.get("mtp_mlp_layer_types") or ["sparse"])[0] == "sparse"
+    return 1 if n == 1 and sparse and _mtp_kind(d) in KINDS else 0
+
+
+def mtp_name(j: int, part: str) -> str:
+    """The release's name of MTP layer j's tensor ``part`` (our name below ``model.layers.{L + j}.``)."""
+    return "mtp." + MTP_PARTS[part] if part in MTP_PARTS else f"mtp.layers.{j}.{part}"

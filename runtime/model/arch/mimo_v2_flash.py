@@ -5,7 +5,15 @@ attention sinks (the release's ``attention_sink_bias``); a RoPE per layer type (
 ``full_attention`` / ``sliding_attention``: theta 5e6 / 1e4, both on the first ``partial_rotary_factor`` (0.334) of
 each head); DeepSeek-V3's router (sigmoid + correction bias + group-limited top-k) without shared experts; dense
 layers from ``mlp_layer_types`` (default: the first). ``sliding_window_size`` (the reference implementation's
-count of previous tokens) reads as transformers reads it, one more than the window (default 129)."""
+count of previous tokens) reads as transformers reads it, one more than the window (default 129).
+
+Its multi-token-prediction layers (``num_nextn_predict_layers``: 3 in the release) are read by convert into the
+store's ``mtp/`` part for ``--speculative mtp`` (runtime/model/mtp.py; ``mtp_name`` below maps the release's names,
+vLLM's mimo_v2_mtp.py / SGLang's mimo_v2_flash_nextn.py): ``model.mtp.layers.{j}.`` ``enorm`` / ``hnorm`` /
+``eh_proj`` (over concat(embeddings, hidden) - embeddings first), a decoder layer of the sliding-window kind (the
+SWA heads, sinks and RoPE theta: ``mtp_fields``) with ``pre_mlp_layernorm`` for post_attention_layernorm and a dense
+MLP of intermediate_size (``MTP_MOE``), and ``final_layernorm`` before the model's head. The next draft reads the
+output before final_layernorm (SGLang's multi-layer MTP sets return_hidden_states_before_norm)."""
 from . import dense_intermediate, hf_defaults, moe_layers_of, renamed, typed_sliding
 
 PARTIAL_ROTARY = True
@@ -59,3 +67,25 @@ def config(d: dict, common: dict, need) -> dict:
                 window_kv_heads=2 * common["num_kv_heads"] if sliding else 0, attn_sinks=bool(sliding),
                 window_sinks_only=True, attn_v_scale=1.0 if scale is None else float(scale),
                 sliding_rope_theta=theta if sliding and theta != common["rope_theta"] else 0.0)
+
+
+MTP_MOE = False
+MTP_PARTS = {"post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+             "shared_head.norm.weight": "final_layernorm.weight"}
+
+
+def mtp_layers(d: dict) -> int:
+    return int(d.get("num_nextn_predict_layers") or 0)
+
+
+def mtp_name(j: int, part: str) -> str:
+    """The release's name of MTP layer j's tensor ``part`` (our name below ``model.layers.{L + j}.``)."""
+    return f"model.mtp.layers.{j}." + MTP_PARTS.get(part, part)
+
+
+def mtp_fields(cfg, n: int) -> dict:
+    """The MTP config's sliding layers: the model's and its MTP layers (sliding-window attention, vLLM / SGLang)."""
+    if not cfg.window_layers:       # the SWA heads / sinks / theta come with the model's sliding layers
+        raise ValueError(f"{cfg.source}: mimo_v2_flash's MTP layers are sliding-window layers, and the model has "
+                         f"none (sliding_window / layer_types)")
+    return {"sliding_layers": list(cfg.sliding_layers) + [cfg.num_layers + j for j in range(n)]}

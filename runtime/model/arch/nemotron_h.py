@@ -23,7 +23,16 @@ order, each with its own norm - and nearly halves the layer count where mixers a
 per-layer count (MoE layers, cache specs, pipeline stages) counts our layers, whose index is not the checkpoint's
 block index: ``stored_names_of`` maps our names (transformers' usual names: self_attn, mamba, mlp,
 input / post_attention_layernorm) to the blocks' (``backbone.layers.N.mixer.`` / ``.norm``; ``model.`` as
-transformers holds them in memory read too). The multi-token-prediction blocks (``mtp.*``) are not read."""
+transformers holds them in memory read too).
+
+The multi-token-prediction blocks (``num_nextn_predict_layers`` steps of the blocks ``mtp_layers_block_type`` /
+``mtp_hybrid_override_pattern`` names, stored as ``mtp.layers.{k}.*`` with k counting blocks over every step) are read
+by convert into the store's ``mtp/`` part and draft for ``--speculative mtp`` (runtime/model/mtp.py) where a step is an
+attention block then a MoE block (``*E``: Nemotron 3 Super's and Ultra's, transformers' default), which pair onto one
+layer of ours: MTP layer j is blocks 2j (``enorm`` / ``hnorm`` / ``eh_proj``, ``norm``, a NoPE GQA ``mixer``) and
+2j + 1 (``norm``, the MoE ``mixer``, ``final_layernorm`` - our shared_head.norm), with the model's embedding and
+lm_head (vLLM's nemotron_h_mtp.py: the step's output after ``final_layernorm`` is both the head's input and the next
+draft's hidden state). Other step patterns are left unread (``mtp_layers`` is 0 for them)."""
 from __future__ import annotations
 
 from . import hf_defaults
@@ -132,7 +141,9 @@ def config(d: dict, common: dict, need) -> dict:
                 linear_conv_kernel=int(_legacy(d, "conv_kernel", "mamba_d_conv", 4)),
                 linear_conv_bias=bool(_legacy(d, "use_conv_bias", "mamba_conv_bias", True)),
                 linear_proj_bias=bool(d.get("use_bias", False)),
-                nope_layers=[i for i, k in enumerate(mixer) if k == "full_attention"],
+                # the MTP layers (model layers L + j: runtime/model/mtp.py's mtp_config) attend without RoPE too
+                nope_layers=[i for i, k in enumerate(mixer) if k == "full_attention"] +
+                [len(layers) + j for j in range(mtp_layers(d))],
                 empty_attn_layers=[i for i, k in enumerate(mixer) if k is None],
                 empty_ffn_layers=[i for i, k in enumerate(ffn) if k is None])
 
@@ -169,3 +180,45 @@ def stored_names_of(cfg):
                 return [f"{p}.layers.{block}.{tail}" for p in ("backbone", "model")]
         return [name]
     return names
+
+
+# -- multi-token prediction (vLLM's nemotron_h_mtp.py; the releases' config.json and tensor names) -------------------
+MTP_STEP = ["full_attention", "moe"]        # the one step layout read: an attention block, then a MoE block (*E)
+MTP_CHAIN_NORMED = True                     # vLLM chains the step's output after final_layernorm into the next draft
+_MTP_START = ("enorm.", "hnorm.", "eh_proj.")       # on a step's first block only
+
+
+def mtp_blocks(d: dict) -> list:
+    """One MTP step's block kinds: ``mtp_layers_block_type`` (older names mapped), else the
+    ``mtp_hybrid_override_pattern`` letters (transformers reads the pattern where the list is absent or its default),
+    else transformers' default; [] for a letter or kind Nemotron-H does not have."""
+    kinds = d.get("mtp_layers_block_type")
+    kinds = [LEGACY.get(k, k) for k in kinds] if isinstance(kinds, list) else None
+    pattern = d.get("mtp_hybrid_override_pattern")
+    if pattern and (kinds is None or kinds == MTP_STEP):
+        if set(pattern) - set(LETTERS):
+            return []
+        kinds = [LETTERS[c] for c in pattern]
+    kinds = kinds if kinds is not None else list(MTP_STEP)
+    return kinds if all(k in MIXERS + FFNS for k in kinds) else []
+
+
+def mtp_layers(d: dict) -> int:
+    """MTP steps the release stores in the layout this reads (``*E`` steps): one layer of ours each; 0 otherwise (the
+    ``mtp.*`` tensors are then reported unread)."""
+    n = int(d.get("num_nextn_predict_layers") or 0)
+    return n if n > 0 and mtp_blocks(d) == MTP_STEP else 0
+
+
+def mtp_name(j: int, part: str) -> str:
+    """The release's name of MTP layer j's tensor ``part`` (our name below ``model.layers.{L + j}.``): in block 2j
+    (the step's attention block) or 2j + 1 (its MoE block) of ``mtp.layers``."""
+    a, f = 2 * j, 2 * j + 1
+    if part.startswith(_MTP_START):
+        return f"mtp.layers.{a}.{part}"
+    if part == "shared_head.norm.weight":
+        return f"mtp.layers.{f}.final_layernorm.weight"
+    for ours, which, theirs in _PLACES:
+        if part.startswith(ours):
+            return f"mtp.layers.{(a, f)[which]}.{theirs}{part[len(ours):]}"
+    return f"mtp.{part}"        # the embedding / head copies other releases keep per layer: Nemotron-H's has none

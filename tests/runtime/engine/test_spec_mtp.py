@@ -87,28 +87,40 @@ def _run(store_dir: str, prompts: list, spec, max_batch: int, max_tokens: int = 
         store.close()
 
 
+def greedy_identical(store_dir: str, max_batch: int, run=None, prompts=None, label=None) -> None:
+    """Greedy outputs with ``--speculative mtp`` (k = 3, the fixed rule) token for token those of plain decoding, and
+    drafts made (the test_spec_mtp_* files' check of each architecture). ``run`` / ``prompts``: a file's own."""
+    run, prompts = run or _run, prompts or _prompts()
+    plain, _, _ = run(store_dir, prompts, None, max_batch)
+    spec, drafted, accepted = run(store_dir, prompts, SpecOptions("mtp", 3, rule="fixed"), max_batch)
+    assert spec == plain, label
+    assert drafted > 0, label
+
+
+def copy_keeps_every_draft(store_dir: str, tiered: bool = True, run=None, prompts=None, label=None) -> None:
+    """On a copy construction (the MTP layer predicts the token after next exactly): every draft kept at k = 3 and the
+    outputs those of plain decoding; ``tiered``: a quarter of the target's experts on the device (the MTP store the
+    same fraction)."""
+    run, prompts = run or _run, prompts or _prompts()
+    plain, _, _ = run(store_dir, prompts, None, 3, max_tokens=16)
+    for out in plain:          # f has no short cycle here: a draft off by one position would be rejected
+        assert len(set(out[:6])) >= 4, (label, out)
+    m = Manifest.read(store_dir)
+    kw = {"expert_budget": max(4, m.num_layers * m.num_experts // 4) * m.blob_stride} if tiered else {}
+    spec, drafted, accepted = run(store_dir, prompts, SpecOptions("mtp", 3, rule="fixed"), 3, max_tokens=16, **kw)
+    assert spec == plain, label
+    assert drafted >= 3 * len(prompts) * 3 and accepted == drafted, (label, drafted, accepted)
+
+
 @pytest.mark.parametrize("max_batch", [1, 3])
 def test_greedy_outputs_identical_with_mtp(random_mtp, max_batch):
     arch, store_dir, _, _ = random_mtp
-    prompts = _prompts()
-    plain, _, _ = _run(store_dir, prompts, None, max_batch)
-    spec, drafted, accepted = _run(store_dir, prompts, SpecOptions("mtp", 3, rule="fixed"), max_batch)
-    assert spec == plain, arch
-    assert drafted > 0
+    greedy_identical(store_dir, max_batch, label=arch)
 
 
 def test_copy_construction_keeps_every_draft(copy_mtp):
     """Acceptance set by construction: 100% of the drafts, at k = 3 and with a tiered target and MTP store."""
-    prompts = _prompts()
-    plain, _, _ = _run(copy_mtp, prompts, None, 3, max_tokens=16)
-    for out in plain:          # f has no short cycle here: a draft off by one position would be rejected
-        assert len(set(out[:6])) >= 4, out
-    m = Manifest.read(copy_mtp)
-    tiered = max(4, m.num_layers * m.num_experts // 4) * m.blob_stride      # a quarter of the experts on the device
-    spec, drafted, accepted = _run(copy_mtp, prompts, SpecOptions("mtp", 3, rule="fixed"), 3, max_tokens=16,
-                                   expert_budget=tiered)
-    assert spec == plain
-    assert drafted >= 3 * len(prompts) * 3 and accepted == drafted, (drafted, accepted)
+    copy_keeps_every_draft(copy_mtp)
 
 
 def test_greedy_identical_with_experts_on_disk(copy_mtp):

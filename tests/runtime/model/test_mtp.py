@@ -88,22 +88,11 @@ def _release_names(arch: str, L: int, state: dict, I: int) -> dict:
     return out
 
 
-def build_mtp_checkpoint(arch: str, out_dir: str, seed: int = 0):
-    """A tiny checkpoint of ``arch`` with one MTP layer -> (transformers' model, transformers' MTP model loaded back
-    from the directory by the release's names)."""
-    from safetensors.torch import load_file, save_file
-    from transformers.modeling_layers import MtpModel
-    cfg_cls, model_cls, kw = FIXTURES[arch]
-    torch.manual_seed(seed)
-    # a fixture's None drops a size its config class does not define (Qwen3.5's text config: no intermediate_size)
-    c = getattr(transformers, cfg_cls)(**{k: v for k, v in {**SIZES, **kw}.items() if not (k in kw and kw[k] is None)})
-    if arch.startswith("qwen3"):       # the release's field, and what transformers' MtpModel reads (not config fields)
-        c.mtp_num_hidden_layers, c.num_mtp_layers, c.mtp_layer_types = 1, 1, ["full_attention"]
-    if arch == "deepseek_v32":     # what transformers' MtpModel reads (DeepseekV32Config has no MTP field)
-        c.num_mtp_layers, c.mtp_mlp_layer_types, c.mtp_layer_types = 1, ["sparse"], c.layer_types[-1:]
-    m = getattr(transformers, model_cls)(c).eval()
-    mtp = MtpModel(m, 1).eval()
-    with torch.no_grad():          # routing and logits far from ties; norms that matter; a correction bias that matters
+def randomize(m, mtp) -> None:
+    """Routing and logits far from ties, norms that matter, a correction bias that matters: the model's weights x4,
+    its norms 1 + 0.2 N(0, 1), MtpModel's own parameters (the fused experts it leaves uninitialised) 0.08 N(0, 1)
+    (the test_mtp_* files' fixtures use it too)."""
+    with torch.no_grad():
         for mod in (m, mtp):
             for n, p in mod.named_parameters():
                 if n.endswith("e_score_correction_bias"):
@@ -119,6 +108,24 @@ def build_mtp_checkpoint(arch: str, out_dir: str, seed: int = 0):
             for n, b in mod.named_buffers():
                 if n.endswith("e_score_correction_bias"):
                     b.copy_(torch.randn(b.shape) * 0.5)
+
+
+def build_mtp_checkpoint(arch: str, out_dir: str, seed: int = 0):
+    """A tiny checkpoint of ``arch`` with one MTP layer -> (transformers' model, transformers' MTP model loaded back
+    from the directory by the release's names)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+    cfg_cls, model_cls, kw = FIXTURES[arch]
+    torch.manual_seed(seed)
+    # a fixture's None drops a size its config class does not define (Qwen3.5's text config: no intermediate_size)
+    c = getattr(transformers, cfg_cls)(**{k: v for k, v in {**SIZES, **kw}.items() if not (k in kw and kw[k] is None)})
+    if arch.startswith("qwen3"):       # the release's field, and what transformers' MtpModel reads (not config fields)
+        c.mtp_num_hidden_layers, c.num_mtp_layers, c.mtp_layer_types = 1, 1, ["full_attention"]
+    if arch == "deepseek_v32":     # what transformers' MtpModel reads (DeepseekV32Config has no MTP field)
+        c.num_mtp_layers, c.mtp_mlp_layer_types, c.mtp_layer_types = 1, ["sparse"], c.layer_types[-1:]
+    m = getattr(transformers, model_cls)(c).eval()
+    mtp = MtpModel(m, 1).eval()
+    randomize(m, mtp)
     m.save_pretrained(out_dir)
     L = c.num_hidden_layers
     path = os.path.join(out_dir, "model.safetensors")
