@@ -134,7 +134,6 @@ class MTPDrafter:
     # -- internals -----------------------------------------------------------------------------
     def _take(self, r, end: int, hidden: torch.Tensor) -> None:
         """hidden [rows, hidden]: the target's normed hidden states of positions end - rows .. end - 1."""
-        hidden = self.mtp.target_hidden(r.seq, end, hidden)     # what the MTP layer reads of them (V4: the streams)
         m = self.mirrors.get(r.id)
         if m is None:
             m = self.mirrors[r.id] = _Mirror()

@@ -141,6 +141,7 @@ class MoEModel:
             else None
         self.norm = RMSNorm(take(w, "model.norm.weight"), cfg.rms_norm_eps) if self.last else None
         self.residual = residual_kind(cfg)(cfg, w, self.last)       # the residual scheme (residual.py), once
+        self.draft_rows = "normed"      # what StepHooks.token_hidden hears (_draft_rows): normed | streams
         # An untied lm_head is a Linear like the attention weights (kept bf16 where that pays).
         self.head = Linear(take_raw(w, "lm_head.weight"), None, dtype, **linear_opts(w, head=True)) \
             if "lm_head.weight" in w and self.last else None
@@ -342,11 +343,18 @@ class MoEModel:
         if hooks.every_token:
             self._every_token(seqs, ctx.spans, x, hooks)
         if hooks.token_hidden is not None:
-            for s, (a, b) in zip(seqs, ctx.spans):      # normed rows of each chunk (speculative drafters: MTP)
-                hooks.token_hidden(s, 0, self.norm(x[a:b]))
+            for s, (a, b) in zip(seqs, ctx.spans):      # each chunk's rows for speculative drafters (MTP)
+                hooks.token_hidden(s, 0, self._draft_rows(h[a:b], x[a:b]))
         # decode: every token is its sequence's last
         return self._logits(self.norm(x if ctx.decode else x[torch.tensor([b - 1 for _, b in ctx.spans],
                                                                            device=self.device)]))
+
+    def _draft_rows(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What token_hidden hands an MTP drafter of some rows: their final norm's output (vLLM's convention), or with
+        ``draft_rows`` "streams" (set by DeepSeek-V4's MTP layer, which reads the hyper-connected streams before the
+        head's collapse) the residual scheme's state after the last layer, flat. h: [rows, N, hidden] (hyper-connected
+        streams) or [rows, hidden]; x: [rows, hidden] after the scheme's leave -> [rows, N * hidden] or [rows, hidden]."""
+        return h.reshape(h.shape[0], -1) if self.draft_rows == "streams" else self.norm(x)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: normed hidden states [rows, hidden] -> float32 logits [rows, vocab]."""

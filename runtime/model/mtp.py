@@ -26,8 +26,8 @@ the same attention. vLLM zeroes the embedding at position 0; transformers does n
 
 DeepSeek-V4 (``mtp.{j}.*``) has a layer of its own around its block - separate e_proj / h_proj, the target's
 hyper-connected streams before its hc_head as h[i], the layer's own hc_head before its norm, the output streams
-chained -: its module's ``MTP_SCHEME`` (``mtp_scheme``; runtime/model/arch/deepseek_v4_mtp.py), whose ``attach`` taps
-the target's streams (``target_hidden``); its window ring is per-sequence state, which ``save_state`` /
+chained -: its module's ``MTP_SCHEME`` (``mtp_scheme``; runtime/model/arch/deepseek_v4_mtp.py), whose ``attach`` has the
+target hand its streams as the rows of h (``MoEModel.draft_rows``); its window ring is per-sequence state, which ``save_state`` /
 ``restore_state`` put back after the chained drafts.
 
 ERNIE 4.5 and MiMo-V2-Flash ship dense MTP layers (their modules' ``MTP_MOE = False``: a dense MLP of
@@ -226,7 +226,7 @@ class MTPModel:
         self.chain_normed = bool(getattr(module(cfg.model_type), "MTP_CHAIN_NORMED", False))
         # the architecture's own MTP layer (mtp_scheme), the width of a row of h it reads (DeepSeek-V4: the target's
         # streams, flat), and where the target's rows of h come from where they are not its normed hidden states
-        self.scheme, self.tap = mtp_scheme(cfg), None
+        self.scheme = mtp_scheme(cfg)
         self.hidden_width = self.scheme.hidden_width(cfg) if self.scheme is not None else cfg.hidden_size
         fold_scales(self.cfg, dense)   # MiMo-V2-Flash's value scale into v_proj, as MoEModel folds the model's
         w = DenseTensors(dense, device, dtype, "none", host_act_quant)
@@ -324,11 +324,6 @@ class MTPModel:
         logits = layer.head(rows).float() if layer.head is not None else self.target_head(rows)
         return MTPStep(hidden=x, normed=normed, logits=logits)
 
-    def target_hidden(self, seq, end: int, hidden: torch.Tensor) -> torch.Tensor:
-        """The rows of h of the target's positions end - rows .. end - 1 of ``seq``, given its normed hidden states
-        of them: those, or what the architecture's tap kept of its last forward (DeepSeek-V4's streams)."""
-        return hidden if self.tap is None else self.tap.rows(seq, end - int(hidden.shape[0]), end)
-
     def save_state(self, seqs: list) -> "list | None":
         """A copy of the per-sequence state of ``seqs`` (DeepSeek-V4's window rings), None without any: positions fed
         speculatively (chained drafts) write into it, and going back by length does not undo that."""
@@ -398,8 +393,8 @@ def load_mtp(store_dir: str, target, *, device_fraction: float = 1.0, on_host: b
     try:
         mtp = MTPModel(cfg, n, dense, experts, embed=target.embed, head=target._logits, device=target.device,
                        dtype=target.dtype, host_act_quant=host_act_quant)
-        if mtp.scheme is not None:    # the target hands its rows of h through the scheme's tap (DeepSeek-V4's streams)
-            mtp.tap = mtp.scheme.attach(target)
+        if mtp.scheme is not None:    # what the target hands as rows of h (DeepSeek-V4: its streams, moe._draft_rows)
+            mtp.scheme.attach(target)
         return mtp
     except Exception:
         experts.close()

@@ -23,8 +23,8 @@ The facts, from the release's own inference code (DeepSeek-V4-Flash ``inference/
       out    = x                                        # chained as the next draft's h[i] (vLLM: before hc_head)
       logits = head(norm(hc_head(x)))                   # the layer's own hc_head, then its ``norm``
 
-The target hands the streams to the drafter through ``StreamTap`` (``attach``): it wraps the target's residual
-scheme, keeping each sequence's streams of the last forward, which ``MTPModel.target_hidden`` reads by position."""
+``attach`` sets the target's ``draft_rows`` to "streams": its forward then hands the drafter (StepHooks.token_hidden)
+each row's streams after the last layer, flat, where other models hand their normed hidden states."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -105,11 +105,9 @@ class V4MTP:
                           mcfg.hc_mult)
 
     @staticmethod
-    def attach(target) -> "StreamTap":
-        """The target's residual scheme wrapped so it keeps each sequence's streams of its last forward."""
-        if not isinstance(target.residual, StreamTap):      # once per target, however many drafters load
-            target.residual = StreamTap(target.residual)
-        return target.residual
+    def attach(target) -> None:
+        """The target hands its hyper-connected streams (flat) as the rows of h, not its normed hidden states."""
+        target.draft_rows = "streams"
 
 
 @dataclass
@@ -135,37 +133,3 @@ class V4MTPLayer:
         x = self.h_proj(hs).view(T, self.N, H) + self.e_proj(self.enorm(emb))[:, None, :]   # x: [tokens, N, hidden]
         x = self.streams.run([self.block], x, ctx)
         return x.reshape(T, self.N * H), self.head_norm(self.hc_head(x))
-
-
-class StreamTap:
-    """A target's residual scheme (HyperResidual) that also keeps, per sequence of its last forward, the position of
-    its first row and its rows' streams after the last layer (before the head's collapse): what V4's MTP layer reads
-    as h. Everything else is the wrapped scheme's."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.kept: dict = {}           # id(seq) -> (position of its first row, streams [rows, N, hidden])
-        self._spans: list = []
-
-    def __getattr__(self, name: str):
-        if name == "inner":            # not set yet (a copy being made): no recursion through this lookup
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def run(self, layers: list, h: torch.Tensor, ctx) -> torch.Tensor:
-        self._spans = [(id(s), s.length, a, b) for s, (a, b) in zip(ctx.seqs, ctx.spans)]   # lengths before the feed
-        return self.inner.run(layers, h, ctx)
-
-    def leave(self, h: torch.Tensor) -> torch.Tensor:
-        self.kept = {sid: (p0, h[a:b]) for sid, p0, a, b in self._spans}
-        return self.inner.leave(h)
-
-    def rows(self, seq, start: int, end: int) -> torch.Tensor:
-        """The streams of ``seq``'s positions start .. end - 1 in the last forward, flat [rows, N * hidden]."""
-        got = self.kept.get(id(seq))
-        if got is None or not got[0] <= start <= end <= got[0] + got[1].shape[0]:
-            have = "none" if got is None else f"{got[0]}..{got[0] + got[1].shape[0] - 1}"
-            raise ValueError(f"deepseek_v4 MTP: the target's last forward kept no streams of positions {start}.."
-                             f"{end - 1} of this sequence (it has {have})")
-        p0, s = got
-        return s[start - p0:end - p0].reshape(end - start, -1).clone()   # not the whole forward's streams kept alive

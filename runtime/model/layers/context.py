@@ -29,7 +29,8 @@ class StepHooks:
     every_token: tuple = ()
     token_logits: "Optional[Callable]" = None
     # speculative decoding's drafters that read the target's hidden states (MTP): token_hidden(seq, first row,
-    # hidden [rows, hidden]) hears every sequence's rows after the final norm (vLLM's convention for MTP)
+    # hidden [rows, width]) hears every sequence's rows after the final norm (vLLM's convention for MTP), or the
+    # hyper-connected streams before the head's collapse, flat, where the model's draft_rows says so (DeepSeek-V4)
     token_hidden: "Optional[Callable]" = None
 
 

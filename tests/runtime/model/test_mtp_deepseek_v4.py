@@ -218,20 +218,26 @@ def test_chained_draft_and_state_rollback(v4):
 
 
 def test_target_hands_its_streams(v4):
-    """What the target's forward hands the MTP layer (the tap on its residual scheme): each row's streams after the
-    last layer, as transformers' model has them before its hc_head, by position."""
+    """What the target's forward hands an MTP drafter once the MTP layer is loaded (StepHooks.token_hidden, its
+    draft_rows "streams"): each chunk's rows of streams after the last layer, as transformers' model has them before
+    its hc_head, flat; a target without V4's MTP layer loaded hands its normed hidden states."""
+    from runtime.model import StepHooks
     r, hf, store_dir, report = v4
     ids = _ids(11, 9)
     model, store, mtp = _ours(store_dir)
     try:
+        got = {}
+        hooks = StepHooks(token_hidden=lambda seq, row, h: got.setdefault(len(got), h))
         seq = Sequence()
-        feed(model, [seq], [ids[:7]])
-        feed(model, [seq], [ids[7:]])                                        # a second chunk: positions 7..10
-        want = r.streams(ids)
-        got = mtp.target_hidden(seq, 11, torch.zeros(3, 64))                 # positions 8..10
-        torch.testing.assert_close(got, want[8:].reshape(3, -1), rtol=1e-4, atol=1e-4)
-        with pytest.raises(ValueError, match="kept no streams of positions 4..6"):
-            mtp.target_hidden(seq, 7, torch.zeros(3, 64))
+        feed(model, [seq], [ids[:7]], hooks)
+        feed(model, [seq], [ids[7:]], hooks)                                 # a second chunk: positions 7..10
+        want = r.streams(ids)                                                # [tokens, N, hidden]
+        assert model.draft_rows == "streams" and [g.shape[0] for g in got.values()] == [7, 4]
+        torch.testing.assert_close(torch.cat([got[0], got[1]]), want.reshape(len(ids), -1), rtol=1e-4, atol=1e-4)
+        model.draft_rows = "normed"                                          # as before load_mtp set it
+        got.clear()
+        feed(model, [Sequence()], [ids[:7]], hooks)
+        assert got[0].shape == (7, want.shape[-1])
     finally:
         _close(store, mtp)
 
