@@ -45,16 +45,28 @@ def copy_construction(hf: str) -> None:
     computes head(norm(embed(t[i + 1]))) = f(t[i + 1]) = t[i + 2]. Routing still runs (the experts are fetched and
     computed: their outputs are zero)."""
     path = os.path.join(hf, "model.safetensors")
-    t = load_file(path)
-    L = max(int(k.split(".")[2]) for k in t if k.startswith("model.layers."))
-    H = t["model.embed_tokens.weight"].shape[1]
-    for k in t:
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            t[k] = torch.zeros_like(t[k])
+    L = max(int(k.split(".")[2]) for k in load_file(path) if k.startswith("model.layers."))
     p = f"model.layers.{L}."
-    t[p + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1).to(t[p + "eh_proj.weight"].dtype)
-    t[p + "enorm.weight"] = torch.ones(H)
-    t[p + "shared_head.norm.weight"] = t["model.norm.weight"].clone()
+    read_the_token(hf, ("o_proj.weight", "down_proj.weight"), p + "eh_proj.weight", p + "enorm.weight",
+                   p + "shared_head.norm.weight")
+
+
+def read_the_token(hf: str, outputs: tuple, proj: str, enorm: str, head_norm: "str | None" = None,
+                   final: str = "model.norm.weight") -> None:
+    """The copy construction on ``hf``'s model.safetensors, in an architecture's names: every tensor whose name ends
+    with one of ``outputs`` (the sublayers' output projections) zeroed, the MTP input projection ``proj`` [identity |
+    0] (the layer reads the token, not the hidden state), its embedding norm ``enorm`` ones and, where the layer has
+    a head norm of its own, ``head_norm`` the model's final norm ``final``."""
+    path = os.path.join(hf, "model.safetensors")
+    t = load_file(path)
+    for k in t:
+        if k.endswith(outputs):
+            t[k] = torch.zeros_like(t[k])
+    H = t[enorm].shape[0]
+    t[proj] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1).to(t[proj].dtype)
+    t[enorm] = torch.ones_like(t[enorm])
+    if head_norm is not None:
+        t[head_norm] = t[final].clone()
     save_file(t, path, metadata={"format": "pt"})
 
 
@@ -72,10 +84,19 @@ def _prompts(n: int = 3):
     return [torch.randint(0, V, (L,), generator=g).tolist() for L in (9, 4, 14)][:n]
 
 
-def _run(store_dir: str, prompts: list, spec, max_batch: int, max_tokens: int = 12, **kw):
+def _run(store_dir: str, prompts: list, spec, max_batch: int, max_tokens: int = 12, log=None, **kw):
+    """Outputs, drafted and accepted tokens; ``log``: each proposal's (context, draft tokens) appended."""
     model, store = load_model(store_dir, dtype=torch.float32, **kw)
     try:
         eng = Engine(model, store, max_batch=max_batch, prefill_chunk=5, speculative=spec)
+        if log is not None:
+            propose = eng.drafter.propose
+
+            def logged(reqs, ks):
+                out = propose(reqs, ks)
+                log.extend((list(r.prompt) + list(r.output), list(d.tokens)) for r, d in zip(reqs, out))
+                return out
+            eng.drafter.propose = logged
         ids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
         eng.run()
         reqs = [eng.done[i] for i in ids]

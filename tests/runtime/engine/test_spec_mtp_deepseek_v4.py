@@ -11,9 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.engine import Engine, SamplingParams
 from runtime.engine.speculative import SpecOptions
-from runtime.model import load_model
 from runtime.model.convert import convert
 
 _spec = importlib.util.spec_from_file_location(
@@ -69,33 +67,10 @@ def _prompts(n: int = 3):
     return [torch.randint(0, V, (L,), generator=g).tolist() for L in (9, 4, 14)][:n]
 
 
-def _run(store_dir: str, prompts: list, spec, max_batch: int, max_tokens: int = 12, log=None, **kw):
-    """Outputs, drafted and accepted tokens; ``log``: each proposal's (context, draft tokens) appended."""
-    model, store = load_model(store_dir, dtype=torch.float32, **kw)
-    try:
-        eng = Engine(model, store, max_batch=max_batch, prefill_chunk=5, speculative=spec)
-        if log is not None:
-            propose = eng.drafter.propose
-
-            def logged(reqs, ks):
-                out = propose(reqs, ks)
-                log.extend((list(r.prompt) + list(r.output), list(d.tokens)) for r, d in zip(reqs, out))
-                return out
-            eng.drafter.propose = logged
-        ids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
-        eng.run()
-        reqs = [eng.done[i] for i in ids]
-        if eng.drafter is not None:
-            eng.drafter.close()
-        return [r.output for r in reqs], sum(r.spec_drafted for r in reqs), sum(r.spec_accepted for r in reqs)
-    finally:
-        store.close()
-
-
 @pytest.mark.parametrize("max_batch", [1, 3])
 def test_greedy_outputs_identical_with_mtp(random_v4, max_batch):
     r, store_dir = random_v4
-    spec_mtp.greedy_identical(store_dir, max_batch, run=_run, prompts=_prompts())
+    spec_mtp.greedy_identical(store_dir, max_batch, prompts=_prompts())
 
 
 def test_engine_drafts_are_the_references(random_v4):
@@ -105,7 +80,7 @@ def test_engine_drafts_are_the_references(random_v4):
     the window ring the chained positions wrote was put back before the next catch-up read it."""
     r, store_dir = random_v4
     log: list = []
-    _run(store_dir, _prompts(2), SpecOptions("mtp", 3, rule="fixed"), 2, max_tokens=10, log=log)
+    spec_mtp._run(store_dir, _prompts(2), SpecOptions("mtp", 3, rule="fixed"), 2, max_tokens=10, log=log)
     assert len(log) >= 6 and any(len(d) == 3 for _, d in log)
     for ctx, draft in log:
         hh, toks = r.streams(ctx[:-1]), ctx[1:]          # positions 0 .. n - 2; the last token reads h[n - 2]
@@ -117,4 +92,4 @@ def test_engine_drafts_are_the_references(random_v4):
 
 def test_copy_construction_keeps_every_draft(copy_v4):
     """Acceptance set by construction: 100% of the drafts at k = 3, with a tiered target and MTP store."""
-    spec_mtp.copy_keeps_every_draft(copy_v4, run=_run, prompts=_prompts())
+    spec_mtp.copy_keeps_every_draft(copy_v4, prompts=_prompts())

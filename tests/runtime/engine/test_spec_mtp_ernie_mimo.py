@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from runtime.model.convert import convert
 
@@ -38,16 +37,8 @@ def ernie_copy_construction(hf: str) -> None:
     layer, so each residual stream stays its input and the model's next token is f(t) = argmax head(norm(embed(t)));
     the MTP layer's mtp_linear_proj is [identity | 0] (it reads the token, not the hidden state) and mtp_emb_norm's
     weight ones, so with the model's final norm before the head it computes f(t[i + 1]) = t[i + 2]."""
-    path = os.path.join(hf, "model.safetensors")
-    t = load_file(path)
-    H = t["model.embed_tokens.weight"].shape[1]
-    for k in t:
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            t[k] = torch.zeros_like(t[k])
-    dt = t["model.mtp_linear_proj.0.weight"].dtype
-    t["model.mtp_linear_proj.0.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1).to(dt)
-    t["model.mtp_emb_norm.0.weight"] = torch.ones(H, dtype=t["model.mtp_emb_norm.0.weight"].dtype)
-    save_file(t, path, metadata={"format": "pt"})
+    engine_base.read_the_token(hf, ("o_proj.weight", "down_proj.weight"), "model.mtp_linear_proj.0.weight",
+                               "model.mtp_emb_norm.0.weight")
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +72,9 @@ def random_mimo(tmp_path_factory):
 def mimo_copy_construction(hf: str) -> None:
     """As ernie_copy_construction for MiMo-V2-Flash's names: its MTP layer's eh_proj [identity | 0], enorm's weight
     ones and final_layernorm's the model's final norm's, every output projection zeroed."""
-    path = os.path.join(hf, "model.safetensors")
-    t = load_file(path)
-    H = t["model.embed_tokens.weight"].shape[1]
-    for k in t:
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            t[k] = torch.zeros_like(t[k])
     p = "model.mtp.layers.0."
-    t[p + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1).to(t[p + "eh_proj.weight"].dtype)
-    t[p + "enorm.weight"] = torch.ones_like(t[p + "enorm.weight"])
-    t[p + "final_layernorm.weight"] = t["model.norm.weight"].clone()
-    save_file(t, path, metadata={"format": "pt"})
+    engine_base.read_the_token(hf, ("o_proj.weight", "down_proj.weight"), p + "eh_proj.weight", p + "enorm.weight",
+                               p + "final_layernorm.weight")
 
 
 @pytest.fixture(scope="module")

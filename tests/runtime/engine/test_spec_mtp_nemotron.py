@@ -10,8 +10,6 @@ import importlib.util
 import os
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from runtime.model.convert import convert
 
@@ -44,17 +42,9 @@ def copy_construction(arch: str, hf: str) -> None:
     MTP input projection is [identity | 0] (it reads the token, not the hidden state), the embedding's norm ones, the
     head's norm the model's final one: it computes f(t[i + 1]) = t[i + 2]. Routing still runs (experts fetched and
     computed: their outputs are zero)."""
-    path = os.path.join(hf, "model.safetensors")
-    t = load_file(path)
-    for k in t:
-        if k.endswith(("o_proj.weight", "o_proj.bias", "down_proj.weight", "out_proj.weight")):
-            t[k] = torch.zeros_like(t[k])
     proj, enorm, head_norm, final = COPY_PARTS[arch]
-    H = t[enorm].shape[0]
-    t[proj] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1).to(t[proj].dtype)
-    t[enorm] = torch.ones(H)
-    t[head_norm] = t[final].clone()
-    save_file(t, path, metadata={"format": "pt"})
+    spec_mtp.read_the_token(hf, ("o_proj.weight", "o_proj.bias", "down_proj.weight", "out_proj.weight"), proj, enorm,
+                            head_norm, final)
 
 
 @pytest.fixture(scope="module", params=list(fixtures.ARCH_MTP))

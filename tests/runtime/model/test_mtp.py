@@ -196,6 +196,16 @@ def _seq(mtp, n: int) -> Sequence:
     return s
 
 
+def chain_two(mtp, ids: list, h: torch.Tensor) -> tuple:
+    """Our first two drafts after the prompt ``ids`` (h: the target's rows of its positions but the last): the first
+    from every position, the second chained from the layer's own output at the last one with the first draft's
+    token -> (first step, the first draft's token, second step)."""
+    s = _seq(mtp, len(ids))
+    first = mtp.forward([s], [ids[1:]], h)
+    d1 = int(first.logits[0].argmax())
+    return first, d1, mtp.forward([s], [[d1]], first.hidden[-1:])
+
+
 def test_conversion_keeps_mtp_layers(mtp_fixture):
     """(b) convert reads every MTP tensor (none reported unread), the MTP part holds its experts as a store and its
     dense tensors; the experts' bytes round-trip (each expert's gate / up / down as the checkpoint has them)."""
@@ -259,10 +269,7 @@ def test_chained_draft_matches_transformers(mtp_fixture):
     model, store, mtp = _ours(store_dir)
     try:
         T = len(ids) - 1
-        s = _seq(mtp, T + 1)
-        first = mtp.forward([s], [ids[1:]], h)
-        d1 = int(first.logits[0].argmax())
-        second = mtp.forward([s], [[d1]], first.hidden[-1:])
+        first, d1, second = chain_two(mtp, ids, h)
         with torch.no_grad():
             hh = torch.cat([h, first.hidden[-1:]])[None]
             x = torch.tensor([ids[1:] + [d1]])

@@ -178,10 +178,7 @@ def test_chained_draft_matches_transformers(glm_mtp):
     model, store, mtp = fx._ours(store_dir)
     try:
         T = len(ids) - 1
-        s = fx._seq(mtp, T + 1)
-        first = mtp.forward([s], [ids[1:]], h)
-        d1 = int(first.logits[0].argmax())
-        second = mtp.forward([s], [[d1]], first.hidden[-1:])
+        first, d1, second = fx.chain_two(mtp, ids, h)
         with torch.no_grad():
             pos = torch.arange(1, T + 2)[None]
             chained = mtp_layer(arch, mtp_ref, h[None], pos[:, :-1], torch.tensor([ids[1:]]), post_norm=False)[0, -1:]

@@ -289,11 +289,7 @@ def test_chained_draft_matches_the_reference(fixture):
     h, _, _ = _reference(model, ref, ids)
     ours, store, mtp = _ours(store_dir)
     try:
-        T = len(ids) - 1
-        s = _seq(mtp, T + 1)
-        first = mtp.forward([s], [ids[1:]], h)
-        d1 = int(first.logits[0].argmax())
-        second = mtp.forward([s], [[d1]], first.hidden[-1:])
+        first, d1, second = _mtp.chain_two(mtp, ids, h)
         out = ref.step(torch.cat([h, first.hidden[-1:]])[None], torch.tensor([ids[1:] + [d1]]))
         torch.testing.assert_close(second.logits[0], ref.logits(out)[0, -1], rtol=1e-4, atol=1e-4)
     finally:
